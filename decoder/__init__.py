@@ -1,0 +1,1 @@
+"""The speculative decoding runtime: drafting, tree masks, verification, KV caches, stopping."""

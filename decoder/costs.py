@@ -1,0 +1,80 @@
+"""Measured verification cost by pass width, and the padding it suggests.
+
+On CPUs the cost of one target pass over n new tokens is uneven in n (fast and slow GEMM shapes,
+../shared/NOTES.md), so it is measured once per model/dtype/device rather than assumed.  The
+decode loop pads a pass to the cheapest measured width at least as large.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .kv import KVModel
+
+
+@dataclass(frozen=True)
+class VerifyCosts:
+    """Median seconds of one target pass over n new tokens after a fixed context."""
+
+    model: str
+    dtype: str
+    device: str
+    context: int
+    seconds: dict[int, float]  # n -> seconds
+
+    def ratio(self, n: int) -> float:
+        """v(n): cost of a pass over n tokens relative to a one-token step."""
+        return self.seconds[n] / self.seconds[1]
+
+    def padded_width(self, n: int) -> int:
+        """The cheapest measured width >= n (n itself when nothing wider is cheaper)."""
+        wider = [m for m in self.seconds if m >= n]
+        if n not in self.seconds or not wider:
+            return n
+        return min(wider, key=lambda m: (self.seconds[m], m))
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "VerifyCosts":
+        raw = json.loads(Path(path).read_text())
+        raw["seconds"] = {int(k): float(v) for k, v in raw["seconds"].items()}
+        return cls(**raw)
+
+
+def measure_verify_costs(lm: KVModel, name: str, widths: list[int], context: int = 200,
+                         repeats: int = 15) -> VerifyCosts:
+    """Time one pass of each width after `context` cached tokens (median of `repeats`)."""
+    vocab = lm.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (context,), generator=generator)
+    lm.reset()
+    lm.extend(prompt, torch.arange(context), None)
+    keep = torch.arange(context)
+    seconds: dict[int, float] = {}
+    for n in sorted(set([1, *widths])):
+        ids = torch.randint(0, vocab, (n,), generator=generator)
+        positions = torch.full((n,), context)
+        allow = torch.eye(n, dtype=torch.bool)  # a flat tree: the cost depends on n, not shape
+        times = []
+        for i in range(repeats + 2):
+            start = time.perf_counter()
+            lm.extend(ids, positions, allow if n > 1 else None)
+            if lm.device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= 2:  # the first two warm up
+                times.append(time.perf_counter() - start)
+            lm.retain(keep)
+        seconds[n] = statistics.median(times)
+    lm.reset()
+    return VerifyCosts(name, str(lm.dtype).removeprefix("torch."), lm.device.type, context, seconds)

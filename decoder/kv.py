@@ -1,0 +1,89 @@
+"""A causal LM together with its KV cache: append tokens under a tree mask, keep an accepted path.
+
+This is the only place that talks to a transformers model's forward and cache, so the
+transformers 5.x details live here (VERIFICATION.md §4): the 4D mask is additive float (a bool
+mask is silently wrong under eager attention), flash attention cannot take it, the cache
+keyword is `cache` (`past_key_values` before 5.24), and compaction is an `index_select` over
+plain `DynamicLayer`s.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class KVModel:
+    """Wraps a causal LM and one sequence's KV cache.
+
+    `extend` appends n tokens; the cache's first `length - tail` positions are visible to all of
+    them, and `tail_allow` [n, tail] says which of the last `tail` positions (the tree part,
+    ending with the new tokens themselves) each new token may attend to.
+    """
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None) -> None:
+        attn = getattr(model.config, "_attn_implementation", None)
+        if attn is not None and "flash" in attn:
+            raise ValueError(f"attention '{attn}' cannot take a tree mask; load with sdpa or eager")
+        self.model = model
+        self.vocab_size = vocab_size or model.config.vocab_size
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.cache = DynamicCache()
+        self.length = 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def reset(self) -> None:
+        self.cache = DynamicCache()
+        self.length = 0
+
+    @torch.inference_mode()
+    def extend(
+        self,
+        ids: torch.Tensor,  # [n] long
+        positions: torch.Tensor,  # [n] long
+        tail_allow: torch.Tensor | None,  # [n, tail] bool; None = plain causal chain
+    ) -> torch.Tensor:
+        """Feed n tokens, cache them, return their logits [n, V] (model dtype)."""
+        n = ids.shape[0]
+        device = self.device
+        mask = None
+        if tail_allow is not None:
+            tail = tail_allow.shape[1]
+            total = self.length + n
+            assert tail_allow.shape[0] == n and n <= tail <= total, (tail_allow.shape, n, total)
+            allow = torch.ones(n, total, dtype=torch.bool, device=device)
+            allow[:, total - tail :] = tail_allow.to(device)
+            mask = torch.zeros(1, 1, n, total, dtype=self.dtype, device=device)
+            mask.masked_fill_(~allow, torch.finfo(self.dtype).min)
+        out = self.model(
+            input_ids=ids.to(device)[None],
+            attention_mask=mask,
+            position_ids=positions.to(device)[None],
+            use_cache=True,
+            **{self._cache_kw: self.cache},
+        )
+        self.length += n
+        return out.logits[0, :, : self.vocab_size]
+
+    def retain(self, keep: torch.Tensor) -> None:
+        """Keep only the cached positions `keep` (ascending) [m] long; RoPE needs no recompute."""
+        if keep.shape[0] == self.length:
+            return
+        keep = keep.to(self.device)
+        for layer in self.cache.layers:
+            if type(layer) is not DynamicLayer:
+                raise TypeError(f"cannot compact a {type(layer).__name__} cache layer")
+            layer.keys = layer.keys.index_select(-2, keep)
+            layer.values = layer.values.index_select(-2, keep)
+        self.length = keep.shape[0]

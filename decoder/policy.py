@@ -1,0 +1,51 @@
+"""Stopping policies: after each draft step, decide whether to draft one level deeper.
+
+A policy is batch-first: it sees the feature vectors [n, F] of the tokens just drafted (one row
+per tree node of that level, `specstop.features`) and returns bool [n], True where drafting
+should go on below that token.  The decode loop continues while any node says so; the level
+just drafted is always verified.  No `.item()` inside a policy.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from specstop.features import feature_index
+
+DEPTH = feature_index("depth")
+Q_TOKEN = feature_index("q_token")
+
+
+class StoppingPolicy(Protocol):
+    name: str
+
+    def __call__(self, features: torch.Tensor) -> torch.Tensor:  # [n, F] -> [n] bool
+        ...
+
+
+class FixedDepth:
+    """Static draft length γ: draft exactly γ levels (or fewer at the tree's or budget's end)."""
+
+    def __init__(self, gamma: int) -> None:
+        if gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {gamma}")
+        self.gamma = gamma
+        self.name = f"fixed-{gamma}"
+
+    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+        return features[:, DEPTH] < self.gamma
+
+
+class ConfidenceThreshold:
+    """Stop once the draft's probability of its own token falls below t (transformers' rule)."""
+
+    def __init__(self, threshold: float) -> None:
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        self.threshold = threshold
+        self.name = f"confidence-{threshold:g}"
+
+    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+        return features[:, Q_TOKEN] >= self.threshold

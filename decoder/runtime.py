@@ -1,0 +1,99 @@
+"""Assemble a ready-to-decode runtime from names: models, tokenizer checks, drafter, costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from .costs import VerifyCosts
+from .drafter import Drafter, ModelDrafter
+from .errors import SpecstopError
+from .kv import KVModel
+from .loop import DecodeConfig, Generation, generate
+from .models import (DEFAULT_CACHE, check_same_tokenizer, load_model, resolve_device,
+                     resolve_dtype, truncated_draft)
+from .policy import StoppingPolicy
+from .sampling import Sampling
+
+TRUNCATED_PREFIX = "layers:"
+
+
+@dataclass
+class Runtime:
+    target: KVModel
+    drafter: Drafter | None
+    tokenizer: PreTrainedTokenizerBase
+    costs: VerifyCosts | None
+    context_limit: int
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    def encode(self, prompt: str, chat: bool = True) -> torch.Tensor:
+        """Prompt text -> ids [L], through the chat template when the tokenizer has one."""
+        if not prompt.strip():
+            raise SpecstopError("the prompt is empty")
+        if chat and self.tokenizer.chat_template:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True,
+                tokenize=True, return_dict=False)
+        else:
+            ids = self.tokenizer(prompt)["input_ids"]
+        return torch.tensor(list(ids), dtype=torch.long)
+
+    def check_fits(self, prompt: torch.Tensor, config: DecodeConfig) -> None:
+        need = prompt.shape[0] + config.max_new_tokens + config.max_depth + 1
+        if need > self.context_limit:
+            raise SpecstopError(
+                f"prompt of {prompt.shape[0]} tokens + max_new_tokens {config.max_new_tokens} "
+                f"exceeds the model's context of {self.context_limit} tokens")
+
+    def generate(self, prompt: torch.Tensor, config: DecodeConfig,
+                 policy: StoppingPolicy | None = None, seed: int = 0, **kwargs) -> Generation:
+        self.check_fits(prompt, config)
+        if config.method != "ar" and self.drafter is None:
+            raise SpecstopError(f"method '{config.method}' needs a draft model")
+        generator = torch.Generator(device=self.target.device).manual_seed(seed)
+        return generate(self.target, self.drafter if config.method != "ar" else None, prompt,
+                        config, policy, self.eos_id, generator=generator, costs=self.costs,
+                        **kwargs)
+
+
+def load_runtime(target: str, draft: str | None, dtype: str = "auto", device: str = "auto",
+                 cache_dir: Path = DEFAULT_CACHE, costs: Path | None = None) -> Runtime:
+    """Load the target, the draft (`layers:N` truncates the target) and an optional cost table."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    loaded = load_model(target, dt, dev, cache_dir)
+    drafter = None
+    if draft:
+        if draft.startswith(TRUNCATED_PREFIX):
+            try:
+                layers = int(draft.removeprefix(TRUNCATED_PREFIX))
+            except ValueError:
+                raise SpecstopError(f"bad draft '{draft}': expected layers:N")
+            draft_model = truncated_draft(loaded.model, layers)
+        else:
+            other = load_model(draft, dt, dev, cache_dir)
+            check_same_tokenizer(loaded.tokenizer, other.tokenizer, target, draft)
+            draft_model = other.model
+        drafter = ModelDrafter(KVModel(draft_model, vocab_size=loaded.model.config.vocab_size))
+    table = None
+    if costs is not None and Path(costs).is_file():
+        table = VerifyCosts.load(costs)
+        if (table.model, table.dtype, table.device) != (target, str(dt).removeprefix("torch."),
+                                                        dev.type):
+            table = None  # measured for another model, dtype or device: not applicable
+    limit = getattr(loaded.model.config, "max_position_embeddings", None) or 1 << 30
+    return Runtime(KVModel(loaded.model), drafter, loaded.tokenizer, table, limit)
+
+
+def sampling_from(temperature: float, top_p: float) -> Sampling:
+    try:
+        return Sampling(temperature, top_p)
+    except ValueError as err:
+        raise SpecstopError(str(err)) from err

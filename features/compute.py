@@ -1,0 +1,60 @@
+"""Compute the feature vector of every token drafted in one draft step (vectorised, no syncs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .schema import FEATURES, TOP_K
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """Per-round scalars shared by every drafted token of the round."""
+
+    tokens_generated: int
+    prev_accepted: int
+    running_acceptance: float
+
+
+def draft_features(
+    q: torch.Tensor,  # [m, V] draft distributions the new tokens were drawn from (one per parent)
+    tokens: torch.Tensor,  # [m, k] tokens drafted at each parent
+    depth: int,  # level of the new tokens (>= 1)
+    root_rank: torch.Tensor,  # [m * k] rank of each new token's root
+    root_target_prob: torch.Tensor,  # [m * k] target probability of each new token's root
+    parent_confidence: torch.Tensor,  # [m] path confidence of each parent (1 at the root)
+    context: RoundContext,
+) -> torch.Tensor:
+    """Features [m * k, F] float32 of the new tokens, in tree (level-major) order."""
+    m, k = tokens.shape
+    q = q.float()
+    q_token = q.gather(1, tokens)  # [m, k]
+    top = q.topk(min(TOP_K, q.shape[1]), dim=1).values  # [m, <=10]
+    if top.shape[1] < TOP_K:
+        top = torch.nn.functional.pad(top, (0, TOP_K - top.shape[1]))
+    entropy = -(q * q.clamp_min(1e-30).log()).sum(dim=1)  # [m]
+    per_parent = torch.cat(
+        [top[:, :1], top[:, 1:2], top[:, :1] - top[:, 1:2], entropy[:, None], top], dim=1
+    )  # [m, 14]
+    n = m * k
+    scalars = torch.tensor(
+        [context.tokens_generated, context.prev_accepted, context.running_acceptance],
+        dtype=torch.float32, device=q.device,
+    ).expand(n, 3)
+    features = torch.cat(
+        [
+            q_token.reshape(n, 1),
+            per_parent.repeat_interleave(k, dim=0),
+            torch.full((n, 1), float(depth), device=q.device),
+            torch.arange(k, dtype=torch.float32, device=q.device).repeat(m)[:, None],
+            root_rank.to(q.device).float()[:, None],
+            root_target_prob.to(q.device).float()[:, None],
+            (parent_confidence.float()[:, None] * q_token).reshape(n, 1),
+            scalars,
+        ],
+        dim=1,
+    )
+    assert features.shape == (n, len(FEATURES)), features.shape
+    return features

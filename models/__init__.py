@@ -1,0 +1,1 @@
+"""Decision models: training, evaluation, TorchScript export (see the training issue)."""

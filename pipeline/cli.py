@@ -1,0 +1,101 @@
+"""The `specstop` command: one subcommand per pipeline stage, plus `generate` and `bench-decode`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from specstop.decoder.errors import SpecstopError
+
+from .params import DEFAULT_PARAMS, load_params, section
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .decode_args import add_decode_args, add_model_args
+    from specstop.decoder.loop import METHODS
+
+    parser = argparse.ArgumentParser(prog="specstop", description=__doc__)
+    parser.add_argument("--params", type=Path, default=DEFAULT_PARAMS, help="params file")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("prepare", help="stage: convert the embedded target, measure verify costs")
+
+    gen = sub.add_parser("generate", help="decode one prompt and print the text")
+    gen.add_argument("--method", default=None, help=f"one of {', '.join(METHODS)}")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    add_model_args(gen)
+    add_decode_args(gen)
+
+    bench = sub.add_parser("bench-decode", help="tokens/s of every method side by side")
+    bench.add_argument("--methods", nargs="+", default=["ar", "sd", "mcsd", "ti-mcsd"])
+    bench.add_argument("--prompts", type=int, default=3, help="number of HumanEval prompts")
+    bench.add_argument("--prompt", action="append", help="a prompt (repeatable) instead")
+    add_model_args(bench)
+    add_decode_args(bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    args = _parser().parse_args(argv)
+    try:
+        params = load_params(args.params)
+        if args.command == "prepare":
+            from . import prepare
+
+            prepare.run(params)
+        elif args.command == "generate":
+            _generate(args, params)
+        elif args.command == "bench-decode":
+            _bench_decode(args, params)
+    except SpecstopError as err:
+        print(f"specstop: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
+def _generate(args: argparse.Namespace, params: dict) -> None:
+    from .decode_args import decode_config, runtime_from, stopping_policy, merged
+
+    _quiet_transformers()
+    decode = section(params, "decode")
+    method = merged(args, decode, "method", "ti-mcsd")
+    config = decode_config(args, decode, method)
+    policy = stopping_policy(args, decode)
+    runtime = runtime_from(args, section(params, "models"), section(params, "costs"),
+                           need_draft=method != "ar")
+    prompt = runtime.encode(args.prompt, chat=not args.no_chat)
+    generation = runtime.generate(prompt, config, policy, int(merged(args, decode, "seed", 0)))
+    print(runtime.tokenizer.decode(generation.tokens, skip_special_tokens=True))
+    print(generation.stats.summary())
+
+
+def _bench_decode(args: argparse.Namespace, params: dict) -> None:
+    from .bench_decode import bench, humaneval_prompts, table
+    from .decode_args import decode_config, runtime_from, stopping_policy, merged
+
+    _quiet_transformers()
+    decode = section(params, "decode")
+    methods = ["ar", *[m for m in args.methods if m != "ar"]]
+    configs = [decode_config(args, decode, m) for m in methods]
+    runtime = runtime_from(args, section(params, "models"), section(params, "costs"),
+                           need_draft=len(methods) > 1)
+    texts = args.prompt or humaneval_prompts(args.prompts)
+    prompts = [runtime.encode(t) for t in texts]
+    results = bench(runtime, prompts, configs, stopping_policy(args, decode),
+                    int(merged(args, decode, "seed", 0)))
+    print(f"{len(prompts)} prompts, dtype {runtime.target.dtype}, device {runtime.target.device}")
+    print(table(results, len(prompts)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

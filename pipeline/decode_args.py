@@ -1,0 +1,85 @@
+"""Decoding options shared by `generate` and `bench-decode`: CLI flags over params.yaml defaults."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from specstop.decoder.errors import SpecstopError
+from specstop.decoder.loop import METHODS, DecodeConfig
+from specstop.decoder.policy import ConfidenceThreshold, FixedDepth, StoppingPolicy
+from specstop.decoder.runtime import Runtime, load_runtime, sampling_from
+
+POLICIES = ("fixed", "confidence")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", help="embedded, a hub id, a model folder or a .gguf file")
+    parser.add_argument("--draft", help="a model (same tokenizer) or layers:N (target truncated)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", help="auto, cpu, cuda, cuda:1 ...")
+
+
+def add_decode_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--max-depth", type=int, help="deepest draft level (tree mask size)")
+    parser.add_argument("--policy", choices=POLICIES, help="stopping policy")
+    parser.add_argument("--gamma", type=int, help="draft length of the fixed policy")
+    parser.add_argument("--threshold", type=float, help="draft-confidence threshold")
+    parser.add_argument("--mcsd-branching", type=int, nargs="+", help="leading mcsd widths")
+    parser.add_argument("--ti-width", type=int, help="ti-mcsd branches")
+    parser.add_argument("--lossy", action="store_true", default=None,
+                        help="ti-mcsd: the published (lossy) DynaSD selection")
+    parser.add_argument("--seed", type=int)
+
+
+def merged(args: argparse.Namespace, defaults: dict, key: str, fallback):
+    """The CLI flag if given, else params.yaml's value, else the fallback."""
+    value = getattr(args, key, None)
+    if value is not None:
+        return value
+    return defaults.get(key, fallback)
+
+
+def decode_config(args: argparse.Namespace, decode: dict, method: str) -> DecodeConfig:
+    if method not in METHODS:
+        raise SpecstopError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
+    try:
+        return DecodeConfig(
+            method=method,
+            max_new_tokens=int(merged(args, decode, "max_new_tokens", 128)),
+            sampling=sampling_from(float(merged(args, decode, "temperature", 0.0)),
+                                   float(merged(args, decode, "top_p", 1.0))),
+            max_depth=int(merged(args, decode, "max_depth", 8)),
+            mcsd_branching=tuple(merged(args, decode, "mcsd_branching", [2, 2])),
+            ti_width=int(merged(args, decode, "ti_width", 3)),
+            lossy=bool(merged(args, decode, "lossy", False)),
+            without_replacement=bool(decode.get("without_replacement", True)),
+        )
+    except ValueError as err:
+        raise SpecstopError(str(err)) from err
+
+
+def stopping_policy(args: argparse.Namespace, decode: dict) -> StoppingPolicy:
+    name = merged(args, decode, "policy", "fixed")
+    try:
+        if name == "fixed":
+            return FixedDepth(int(merged(args, decode, "gamma", 4)))
+        if name == "confidence":
+            return ConfidenceThreshold(float(merged(args, decode, "threshold", 0.4)))
+    except ValueError as err:
+        raise SpecstopError(str(err)) from err
+    raise SpecstopError(f"unknown policy '{name}' (choose from {', '.join(POLICIES)})")
+
+
+def runtime_from(args: argparse.Namespace, models: dict, costs: dict, need_draft: bool) -> Runtime:
+    return load_runtime(
+        target=merged(args, models, "target", "embedded"),
+        draft=merged(args, models, "draft", "layers:2") if need_draft else None,
+        dtype=merged(args, models, "dtype", "auto"),
+        device=merged(args, models, "device", "auto"),
+        cache_dir=Path(models.get("cache_dir", "data/models/target")),
+        costs=Path(costs.get("path", "data/costs/verify.json")),
+    )

@@ -1,0 +1,35 @@
+"""Read params.yaml (every knob of the pipeline) with clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from specstop.decoder.errors import SpecstopError
+
+DEFAULT_PARAMS = Path("params.yaml")
+
+
+def load_params(path: Path = DEFAULT_PARAMS, required: bool = False) -> dict[str, Any]:
+    """The parsed params file; {} when it is absent and not required."""
+    path = Path(path)
+    if not path.is_file():
+        if required:
+            raise SpecstopError(f"params file not found: {path}")
+        return {}
+    try:
+        params = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise SpecstopError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from err
+    if not isinstance(params, dict):
+        raise SpecstopError(f"{path}: expected a mapping at the top level")
+    return params
+
+
+def section(params: dict[str, Any], name: str) -> dict[str, Any]:
+    value = params.get(name, {})
+    if not isinstance(value, dict):
+        raise SpecstopError(f"params.yaml: '{name}' must be a mapping")
+    return value
