@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -26,6 +27,8 @@ from .tree import Tree, chain
 from .verify import dynasd_select, verify_tree
 
 METHODS = ("ar", "sd", "mcsd", "ti-mcsd")
+MAX_DEPTH = 64
+MAX_TREE_NODES = 4096
 PATH_CONFIDENCE = feature_index("path_confidence")
 
 
@@ -47,8 +50,18 @@ class DecodeConfig:
             raise ValueError("--lossy applies to ti-mcsd only")
         if self.max_new_tokens < 1 or self.max_depth < 1:
             raise ValueError("max_new_tokens and max_depth must be >= 1")
+        if self.max_depth > MAX_DEPTH:
+            raise ValueError(f"max_depth must be <= {MAX_DEPTH}, got {self.max_depth}")
+        if self.ti_width < 1 or any(k < 1 for k in self.mcsd_branching):
+            raise ValueError(f"ti_width and mcsd_branching must be >= 1, got {self.ti_width} "
+                             f"and {list(self.mcsd_branching)}")
+        nodes = _tree_nodes(self)
+        if nodes > MAX_TREE_NODES:
+            raise ValueError(f"the {self.method} tree would have {nodes} nodes "
+                             f"(at most {MAX_TREE_NODES}); lower the widths or max_depth")
 
 
+@lru_cache(maxsize=64)
 def tree_for(config: DecodeConfig) -> Tree:
     """The largest tree of a method; each round drafts a leading slice of it."""
     d = config.max_depth
@@ -60,6 +73,23 @@ def tree_for(config: DecodeConfig) -> Tree:
     if config.lossy:  # the target's top-W tokens start W chains
         return Tree(config.ti_width, (1,) * d)
     return Tree(1, (config.ti_width,) + (1,) * (d - 1))  # exact: prune to the target's own root
+
+
+def _tree_nodes(config: DecodeConfig) -> int:
+    if config.method in ("ar", "sd"):
+        return config.max_depth + 1
+    if config.method == "mcsd":
+        widths = list(config.mcsd_branching[: config.max_depth])
+        widths += [1] * (config.max_depth - len(widths))
+        roots = 1
+    else:
+        roots = config.ti_width if config.lossy else 1
+        widths = [1 if config.lossy else config.ti_width] + [1] * (config.max_depth - 1)
+    total = level = roots
+    for k in widths:
+        level *= k
+        total += level
+    return total
 
 
 @dataclass

@@ -32,9 +32,17 @@ class LoadedModel:
 
 
 def resolve_device(device: str = "auto") -> torch.device:
+    """'auto' is the GPU where there is one; an unknown or absent device is a SpecstopError."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as err:
+        raise SpecstopError(f"unknown device '{device}' (auto, cpu, cuda or cuda:N)") from err
+    if resolved.type == "cuda" and (resolved.index or 0) >= torch.cuda.device_count():
+        raise SpecstopError(f"device '{device}' is not available "
+                            f"({torch.cuda.device_count()} CUDA devices here)")
+    return resolved
 
 
 @lru_cache(maxsize=None)

@@ -50,7 +50,8 @@ class Runtime:
         if need > self.context_limit:
             raise SpecstopError(
                 f"prompt of {prompt.shape[0]} tokens + max_new_tokens {config.max_new_tokens} "
-                f"exceeds the model's context of {self.context_limit} tokens")
+                f"+ max_depth {config.max_depth} + 1 = {need} tokens exceeds the model's context "
+                f"of {self.context_limit} tokens")
 
     def generate(self, prompt: torch.Tensor, config: DecodeConfig,
                  policy: StoppingPolicy | None = None, seed: int = 0, **kwargs) -> Generation:

@@ -12,13 +12,22 @@ from specstop.decoder.errors import SpecstopError
 from .params import DEFAULT_PARAMS, load_params, section
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr, like every other error of the CLI."""
+
+    def error(self, message: str):
+        print(f"specstop: error: {message} (see '{self.prog} --help')", file=sys.stderr)
+        sys.exit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
     from .decode_args import add_decode_args, add_model_args
     from specstop.decoder.loop import METHODS
 
-    parser = argparse.ArgumentParser(prog="specstop", description=__doc__)
-    parser.add_argument("--params", type=Path, default=DEFAULT_PARAMS, help="params file")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineErrorParser(prog="specstop", description=__doc__)
+    parser.add_argument("--params", type=Path, default=None,
+                        help=f"params file (default: {DEFAULT_PARAMS} if present)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
 
     sub.add_parser("prepare", help="stage: convert the embedded target, measure verify costs")
 
@@ -42,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = _parser().parse_args(argv)
     try:
-        params = load_params(args.params)
+        params = load_params(args.params or DEFAULT_PARAMS, required=args.params is not None)
         if args.command == "prepare":
             from . import prepare
 
@@ -64,7 +73,7 @@ def _quiet_transformers() -> None:
 
 
 def _generate(args: argparse.Namespace, params: dict) -> None:
-    from .decode_args import decode_config, runtime_from, stopping_policy, merged
+    from .decode_args import decode_config, merged, runtime_from, seed_from, stopping_policy
 
     _quiet_transformers()
     decode = section(params, "decode")
@@ -74,14 +83,14 @@ def _generate(args: argparse.Namespace, params: dict) -> None:
     runtime = runtime_from(args, section(params, "models"), section(params, "costs"),
                            need_draft=method != "ar")
     prompt = runtime.encode(args.prompt, chat=not args.no_chat)
-    generation = runtime.generate(prompt, config, policy, int(merged(args, decode, "seed", 0)))
+    generation = runtime.generate(prompt, config, policy, seed_from(args, decode))
     print(runtime.tokenizer.decode(generation.tokens, skip_special_tokens=True))
     print(generation.stats.summary())
 
 
 def _bench_decode(args: argparse.Namespace, params: dict) -> None:
     from .bench_decode import bench, humaneval_prompts, table
-    from .decode_args import decode_config, runtime_from, stopping_policy, merged
+    from .decode_args import decode_config, runtime_from, seed_from, stopping_policy
 
     _quiet_transformers()
     decode = section(params, "decode")
@@ -92,7 +101,7 @@ def _bench_decode(args: argparse.Namespace, params: dict) -> None:
     texts = args.prompt or humaneval_prompts(args.prompts)
     prompts = [runtime.encode(t) for t in texts]
     results = bench(runtime, prompts, configs, stopping_policy(args, decode),
-                    int(merged(args, decode, "seed", 0)))
+                    seed_from(args, decode))
     print(f"{len(prompts)} prompts, dtype {runtime.target.dtype}, device {runtime.target.device}")
     print(table(results, len(prompts)))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any, Callable
 from pathlib import Path
 
 from specstop.decoder.errors import SpecstopError
@@ -35,12 +36,25 @@ def add_decode_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int)
 
 
-def merged(args: argparse.Namespace, defaults: dict, key: str, fallback):
-    """The CLI flag if given, else params.yaml's value, else the fallback."""
+def merged(args: argparse.Namespace, defaults: dict, key: str, fallback: Any,
+           convert: Callable[[Any], Any] | None = None) -> Any:
+    """The CLI flag if given, else params.yaml's value, else the fallback; converted with a
+    one-line error naming the option."""
     value = getattr(args, key, None)
-    if value is not None:
+    if value is None:
+        value = defaults.get(key, fallback)
+    if convert is None:
         return value
-    return defaults.get(key, fallback)
+    try:
+        return convert(value)
+    except (TypeError, ValueError) as err:
+        raise SpecstopError(f"option '{key}': cannot use {value!r} ({err})") from err
+
+
+def int_list(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise TypeError("expected a list of integers")
+    return tuple(int(v) for v in value)
 
 
 def decode_config(args: argparse.Namespace, decode: dict, method: str) -> DecodeConfig:
@@ -49,12 +63,12 @@ def decode_config(args: argparse.Namespace, decode: dict, method: str) -> Decode
     try:
         return DecodeConfig(
             method=method,
-            max_new_tokens=int(merged(args, decode, "max_new_tokens", 128)),
-            sampling=sampling_from(float(merged(args, decode, "temperature", 0.0)),
-                                   float(merged(args, decode, "top_p", 1.0))),
-            max_depth=int(merged(args, decode, "max_depth", 8)),
-            mcsd_branching=tuple(merged(args, decode, "mcsd_branching", [2, 2])),
-            ti_width=int(merged(args, decode, "ti_width", 3)),
+            max_new_tokens=merged(args, decode, "max_new_tokens", 128, int),
+            sampling=sampling_from(merged(args, decode, "temperature", 0.0, float),
+                                   merged(args, decode, "top_p", 1.0, float)),
+            max_depth=merged(args, decode, "max_depth", 8, int),
+            mcsd_branching=merged(args, decode, "mcsd_branching", [2, 2], int_list),
+            ti_width=merged(args, decode, "ti_width", 3, int),
             lossy=bool(merged(args, decode, "lossy", False)),
             without_replacement=bool(decode.get("without_replacement", True)),
         )
@@ -66,12 +80,16 @@ def stopping_policy(args: argparse.Namespace, decode: dict) -> StoppingPolicy:
     name = merged(args, decode, "policy", "fixed")
     try:
         if name == "fixed":
-            return FixedDepth(int(merged(args, decode, "gamma", 4)))
+            return FixedDepth(merged(args, decode, "gamma", 4, int))
         if name == "confidence":
-            return ConfidenceThreshold(float(merged(args, decode, "threshold", 0.4)))
+            return ConfidenceThreshold(merged(args, decode, "threshold", 0.4, float))
     except ValueError as err:
         raise SpecstopError(str(err)) from err
     raise SpecstopError(f"unknown policy '{name}' (choose from {', '.join(POLICIES)})")
+
+
+def seed_from(args: argparse.Namespace, decode: dict) -> int:
+    return merged(args, decode, "seed", 0, int)
 
 
 def runtime_from(args: argparse.Namespace, models: dict, costs: dict, need_draft: bool) -> Runtime:

@@ -25,11 +25,12 @@ def load_params(path: Path = DEFAULT_PARAMS, required: bool = False) -> dict[str
         raise SpecstopError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from err
     if not isinstance(params, dict):
         raise SpecstopError(f"{path}: expected a mapping at the top level")
+    for name, value in params.items():
+        if not isinstance(value, dict):
+            raise SpecstopError(f"{path}: '{name}' must be a mapping")
     return params
 
 
 def section(params: dict[str, Any], name: str) -> dict[str, Any]:
-    value = params.get(name, {})
-    if not isinstance(value, dict):
-        raise SpecstopError(f"params.yaml: '{name}' must be a mapping")
-    return value
+    """One section of the params (checked to be a mapping by load_params)."""
+    return params.get(name, {})

@@ -1,0 +1,75 @@
+"""The topology-aware tree mask, its slices, parents, depths and positions."""
+
+import itertools
+
+import pytest
+import torch
+
+from specstop.decoder.tree import Tree, chain
+
+SHAPES = [(1, (1, 1, 1)), (1, (2, 2, 1)), (1, (3, 1, 1, 1)), (3, (1, 1, 1)), (2, (2, 3)),
+          (1, (4, 2, 2, 1))]
+
+
+def ancestors(tree: Tree, i: int) -> set[int]:
+    out = set()
+    while i >= 0:
+        out.add(i)
+        i = int(tree.parent[i])
+    return out
+
+
+@pytest.mark.parametrize("roots,branching", SHAPES)
+def test_mask_rows_are_self_plus_ancestors(roots, branching):
+    tree = Tree(roots, branching)
+    n = tree.size(tree.max_depth)
+    for i, j in itertools.product(range(n), range(n)):
+        assert bool(tree.mask[i, j]) == (j in ancestors(tree, i)), (i, j)
+
+
+@pytest.mark.parametrize("roots,branching", SHAPES)
+def test_sliced_mask_equals_mask_rebuilt_for_that_depth(roots, branching):
+    tree = Tree(roots, branching)
+    for depth in range(tree.max_depth + 1):
+        rebuilt = Tree(roots, branching[:depth])
+        assert torch.equal(tree.sliced_mask(depth), rebuilt.mask)
+        assert torch.equal(tree.parent[: tree.size(depth)], rebuilt.parent)
+
+
+@pytest.mark.parametrize("roots,branching", SHAPES)
+def test_level_order_parents_depths_and_positions(roots, branching):
+    tree = Tree(roots, branching)
+    n = tree.size(tree.max_depth)
+    assert all(int(tree.parent[i]) < i for i in range(n))  # parents come first
+    for d in range(tree.max_depth + 1):
+        assert (tree.depth[tree.level(d)] == d).all()
+    # position = P + depth = (row sum of the full mask) - 1 + P
+    assert torch.equal(tree.mask.sum(1) - 1, tree.depth)
+    for d in range(1, tree.max_depth + 1):
+        level = range(tree.level_start[d], tree.level_start[d + 1])
+        assert [list(tree.children(int(tree.parent[i]))).index(i) for i in level] == \
+            tree.rank[tree.level(d)].tolist()
+
+
+def test_level_rows_are_the_draft_step_slices():
+    tree = Tree(1, (2, 2, 1))
+    for d in range(tree.max_depth + 1):
+        rows = tree.level_rows(d)
+        assert torch.equal(rows, tree.mask[tree.level(d), : tree.size(d)])
+        assert rows.shape == (tree.level_start[d + 1] - tree.level_start[d], tree.size(d))
+
+
+def test_children_and_paths():
+    tree = Tree(1, (2, 2))
+    assert list(tree.children(0)) == [1, 2]
+    assert list(tree.children(2)) == [5, 6]
+    assert list(tree.children(6)) == []
+    assert tree.path_to(6) == [0, 2, 6]
+    assert chain(3).path_to(3) == [0, 1, 2, 3]
+
+
+def test_bad_widths_are_refused():
+    with pytest.raises(ValueError):
+        Tree(1, (2, 0))
+    with pytest.raises(ValueError):
+        Tree(0, (1,))

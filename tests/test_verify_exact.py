@@ -1,0 +1,521 @@
+"""Exact enumeration of the verification rules (VERIFICATION.md §1-2, §5.1), float64, tol 1e-10.
+
+Nothing is sampled.  `verify.uniform` is replaced by `ScriptedUniform`, whose values are probes:
+each `u < threshold` comparison made by the rule records the threshold and answers accept or
+reject from a script.  A depth-first search over the scripts visits every accept/reject branch
+once and weighs it by its exact probability (min(1, t) to accept, 1 - min(1, t) to reject, for a
+continuous u ~ U[0, 1)).  Summing the emitted token's distribution over all branches and over
+all candidate tuples (weighted by how the drafter draws them) must give back p.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Callable, Iterator, TypeVar
+
+import pytest
+import torch
+
+import specstop.decoder.verify as verify
+from specstop.decoder.sampling import Sampling
+from specstop.decoder.tree import Tree
+from specstop.decoder.verify import Verdict, mcss, residual, verify_tree
+
+TOL = 1e-10
+R = TypeVar("R")
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: distributions, candidate tuples, scripted uniforms.
+
+
+def random_dist(v: int, seed: int, zeros: int = 0, spread: float = 1.5) -> torch.Tensor:
+    """[v] float64 distribution with `zeros` entries set to 0 (as after top-p truncation)."""
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.exp(spread * torch.randn(v, generator=g, dtype=torch.float64))
+    probs[torch.randperm(v, generator=g)[:zeros]] = 0.0
+    return probs / probs.sum()
+
+
+def one_hot(x: int, v: int) -> torch.Tensor:
+    out = torch.zeros(v, dtype=torch.float64)
+    out[x] = 1.0
+    return out
+
+
+def iid_tuples(q: torch.Tensor, k: int) -> Iterator[tuple[tuple[int, ...], float]]:
+    """Every k-tuple drawn i.i.d. from q, with its probability (zero-probability ones omitted)."""
+    support = [x for x in range(q.shape[0]) if q[x] > 0]
+    for xs in itertools.product(support, repeat=k):
+        yield xs, math.prod(float(q[x]) for x in xs)
+
+
+def wor_tuples(q: torch.Tensor, k: int) -> Iterator[tuple[tuple[int, ...], float]]:
+    """Sequential draws without replacement from the renormalised rest.  Once q's support is
+    used up, the remaining slots are padded with the lowest unused ids (q = 0 there), as the
+    Gumbel-top-k drafter pads them with arbitrary q = 0 ids."""
+
+    def rec(prefix: tuple[int, ...], prob: float) -> Iterator[tuple[tuple[int, ...], float]]:
+        if len(prefix) == k:
+            yield prefix, prob
+            return
+        rest = [x for x in range(q.shape[0]) if x not in prefix]
+        mass = sum(float(q[x]) for x in rest)
+        if mass <= 0:
+            yield from rec(prefix + (rest[0],), prob)
+            return
+        for x in rest:
+            if q[x] > 0:
+                yield from rec(prefix + (x,), prob * float(q[x]) / mass)
+
+    yield from rec((), 1.0)
+
+
+def candidate_tuples(q: torch.Tensor, k: int, wor: bool) -> list[tuple[tuple[int, ...], float]]:
+    tuples = list((wor_tuples if wor else iid_tuples)(q, k))
+    assert abs(sum(prob for _, prob in tuples) - 1.0) < TOL
+    return tuples
+
+
+class _Probe:
+    """What the scripted `uniform` returns: only a strict `u < t` comparison is allowed."""
+
+    def __init__(self, owner: ScriptedUniform) -> None:
+        self.owner = owner
+
+    def __lt__(self, threshold: float) -> bool:
+        return self.owner.decide(float(threshold))
+
+    def __le__(self, threshold: float) -> bool:
+        raise AssertionError("verification must test u < p/q strictly (VERIFICATION.md §6)")
+
+    __ge__ = __le__
+
+
+class ScriptedUniform:
+    """Replaces `verify.uniform`: records each acceptance threshold and answers from a script
+    (True = accept); once the script is exhausted every further test rejects."""
+
+    def __init__(self) -> None:
+        self.script: list[bool] = []
+        self.thresholds: list[float] = []
+        self.calls = 0
+
+    def start(self, script: list[bool]) -> None:
+        self.script, self.thresholds, self.calls = script, [], 0
+
+    def __call__(self, generator: torch.Generator | None = None) -> _Probe:
+        self.calls += 1
+        return _Probe(self)
+
+    def decide(self, threshold: float) -> bool:
+        i = len(self.thresholds)
+        self.thresholds.append(threshold)
+        return self.script[i] if i < len(self.script) else False
+
+
+@pytest.fixture
+def scripted(monkeypatch: pytest.MonkeyPatch) -> ScriptedUniform:
+    u = ScriptedUniform()
+    monkeypatch.setattr(verify, "uniform", u)
+    return u
+
+
+def accept_prob(threshold: float) -> float:
+    """P(u < t) for u ~ U[0, 1)."""
+    return min(1.0, max(0.0, threshold))
+
+
+Branch = tuple[float, list[bool], list[float], R]
+
+
+def branches(u: ScriptedUniform, run: Callable[[], R]) -> list[Branch]:
+    """Every accept/reject branch of `run`: (exact probability, decisions, thresholds, result)."""
+    leaves, stack = [], [[]]
+    while stack:
+        script = stack.pop()
+        u.start(script)
+        result = run()
+        assert u.calls == len(u.thresholds), "a uniform was drawn but never compared"
+        decisions = script + [False] * (len(u.thresholds) - len(script))
+        prob = math.prod(accept_prob(t) if d else 1.0 - accept_prob(t)
+                         for t, d in zip(u.thresholds, decisions))
+        leaves.append((prob, decisions, u.thresholds, result))
+        for j in range(len(script), len(decisions)):
+            if accept_prob(u.thresholds[j]) > 0:  # accepting there has probability 0 otherwise
+                stack.append(decisions[:j] + [True])
+    return leaves
+
+
+def reference_thresholds(p: torch.Tensor, q: torch.Tensor, cands: tuple[int, ...], wor: bool,
+                         decisions: list[bool]) -> list[float]:
+    """The tests §2's `mcss` pseudo-code makes along `decisions`: p(x)/q̄(x) per tested x."""
+    p, q_bar, out = p.clone(), q.clone(), []
+    for x in cands:
+        if q_bar[x] <= 0:  # could not have been drawn (a repeat or padding without replacement)
+            continue
+        out.append(float(p[x] / q_bar[x]))
+        if decisions[len(out) - 1]:
+            break
+        r = (p - q_bar).clamp_min(0.0)
+        p = r / r.sum() if r.sum() >= verify.RESIDUAL_FLOOR else p
+        if wor:
+            q_bar[x] = 0.0
+            if q_bar.sum() <= 0:
+                break
+            q_bar = q_bar / q_bar.sum()
+    return out
+
+
+def mcss_output(u: ScriptedUniform, p: torch.Tensor, q: torch.Tensor, cands: tuple[int, ...],
+                wor: bool) -> torch.Tensor:
+    """[V] exact distribution of the token `mcss` emits for fixed candidates; also checks every
+    branch's tests against `reference_thresholds` and that each residual is a distribution."""
+    out = torch.zeros_like(p)
+    for prob, decisions, thresholds, (index, dist) in branches(
+            u, lambda: mcss(p.clone(), q.clone(), list(cands), wor, None)):
+        reference = reference_thresholds(p, q, cands, wor, decisions)
+        assert len(thresholds) == len(reference)
+        assert all(abs(a - b) <= 1e-12 * max(1.0, b) for a, b in zip(thresholds, reference))
+        if index >= 0:
+            assert decisions[-1]
+            out[cands[index]] += prob
+        else:
+            assert not any(decisions)
+            assert dist.min() >= 0 and abs(float(dist.sum()) - 1.0) < TOL
+            out += prob * dist
+    return out
+
+
+def emitted_distribution(u: ScriptedUniform, p: torch.Tensor, q: torch.Tensor, k: int,
+                         wor: bool) -> torch.Tensor:
+    """[V] distribution of `mcss`'s emitted token, summed over every candidate tuple."""
+    total = torch.zeros_like(p)
+    for cands, prob in candidate_tuples(q, k, wor):
+        total += prob * mcss_output(u, p, q, cands, wor)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# residual
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_residual_is_the_normalised_positive_part(seed: int) -> None:
+    p, q = random_dist(6, seed, zeros=seed % 3), random_dist(6, 100 + seed, zeros=1)
+    r = residual(p, q)
+    expected = (p - q).clamp_min(0.0)
+    assert r.min() >= 0 and abs(float(r.sum()) - 1.0) < TOL
+    assert torch.allclose(r, expected / expected.sum(), atol=TOL, rtol=0)
+    assert torch.all(r[p <= q] == 0)
+
+
+def test_residual_falls_back_to_p_when_p_equals_q() -> None:
+    p = random_dist(5, 0)
+    assert torch.equal(residual(p, p.clone()), p)
+    nudged = p.clone()
+    nudged[0] -= 1e-14  # mass of max(p - q, 0) below 1e-12: rounding noise, not a distribution
+    nudged[1] += 1e-14
+    assert torch.equal(residual(p, nudged), p)
+
+
+def test_residual_against_a_one_hot_zeroes_that_token() -> None:
+    """vLLM's no-draft-probs rule: res(p, onehot(x)) = p without x, renormalised."""
+    p = random_dist(6, 1)
+    expected = p.clone()
+    expected[2] = 0.0
+    assert torch.allclose(residual(p, one_hot(2, 6)), expected / expected.sum(), atol=TOL, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# mcss: exact enumeration over candidate tuples and accept/reject branches
+
+def disjoint(v: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """p on the first half of the vocabulary, q on the rest: nothing can be accepted."""
+    half = torch.arange(v) < (v + 1) // 2
+    p, q = random_dist(v, seed) * half, random_dist(v, seed + 50) * ~half
+    return p / p.sum(), q / q.sum()
+
+
+CASES: dict[str, Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]] = {
+    "dense": lambda v, s: (random_dist(v, s), random_dist(v, s + 50)),
+    "truncated": lambda v, s: (random_dist(v, s, zeros=v // 3),
+                               random_dist(v, s + 50, zeros=v // 2)),
+    "q_equals_p": lambda v, s: (random_dist(v, s),) * 2,
+    "disjoint": disjoint,
+    "one_hot_p": lambda v, s: (one_hot(v - 1, v), random_dist(v, s + 50)),
+}
+
+
+SIZES = [(v, k, wor) for v in (2, 4, 6) for k in (1, 2, 3) for wor in (False, True)
+         if k <= v or not wor]  # k distinct draws need k <= V
+
+
+@pytest.mark.parametrize("v,k,wor", SIZES, ids=[f"V{v}-k{k}-{'wor' if w else 'wr'}"
+                                                 for v, k, w in SIZES])
+@pytest.mark.parametrize("case", list(CASES))
+def test_mcss_emits_p_exactly(scripted: ScriptedUniform, case: str, v: int, k: int,
+                              wor: bool) -> None:
+    for seed in range(2):
+        p, q = CASES[case](v, seed)
+        emitted = emitted_distribution(scripted, p, q, k, wor)
+        assert torch.allclose(emitted, p, atol=TOL, rtol=0), (case, seed, emitted, p)
+
+
+def removed_before_residual(p: torch.Tensor, q: torch.Tensor, cands: list[int], wor: bool,
+                            generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+    """A wrong `mcss` (without replacement): zeroes x in q̄ BEFORE taking the residual."""
+    q_bar = q.clone()
+    for i, x in enumerate(cands):
+        if verify.uniform(generator) < float(p[x] / q_bar[x]):
+            return i, p
+        q_bar[x] = 0.0
+        q_bar = q_bar / q_bar.sum()
+        p = residual(p, q_bar)
+    return -1, p
+
+
+def test_enumeration_detects_the_wrong_residual_order(scripted: ScriptedUniform) -> None:
+    """The harness can fail: the slip §2 warns about does not give p."""
+    p, q = random_dist(5, 3), random_dist(5, 4)
+    total = torch.zeros_like(p)
+    for cands, prob in candidate_tuples(q, 2, wor=True):
+        for leaf_prob, _, _, (index, dist) in branches(
+                scripted, lambda: removed_before_residual(p, q, list(cands), True, None)):
+            total += prob * leaf_prob * (one_hot(cands[index], 5) if index >= 0 else dist)
+    assert abs(float(total.sum()) - 1.0) < TOL
+    assert (total - p).abs().max() > 1e-3
+
+
+def test_mcss_decision_boundary_is_strict_u_below_p_over_q(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first candidate x is accepted for u just below min(1, p(x)/q(x)) and rejected at
+    u = p(x)/q(x); u = 0 never accepts a token the target gives probability 0."""
+    p, q = random_dist(5, 7, zeros=1), random_dist(5, 8)
+    assert (p == 0).any() and (p > q).any()
+    for x in range(5):
+        t = float(p[x] / q[x])
+        cases = [(math.nextafter(min(t, 1.0), 0.0), t > 0)] + ([(t, False)] if t < 1 else [])
+        for u, accepted in cases:
+            monkeypatch.setattr(verify, "uniform", lambda generator, u=u: u)
+            index, _ = mcss(p.clone(), q.clone(), [x], False, None)
+            assert (index == 0) == accepted, (x, t, u)
+
+
+def test_without_replacement_skips_candidates_that_could_not_be_drawn(
+        scripted: ScriptedUniform) -> None:
+    """A repeat (q̄ = 0 once rejected) and padding beyond q's support (q = 0) are never tested."""
+    p = random_dist(4, 9)
+    q = torch.tensor([0.6, 0.4, 0.0, 0.0], dtype=torch.float64)
+    scripted.start([])
+    index, dist = mcss(p, q, [1, 1, 3, 0], True, None)
+    assert index == -1 and len(scripted.thresholds) == 2
+    assert dist.min() >= 0 and abs(float(dist.sum()) - 1.0) < TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic candidates (draft top-k, n-grams): mcss with a one-hot q per candidate
+
+
+def deterministic_output(u: ScriptedUniform, p: torch.Tensor, cands: list[int],
+                         q_of: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """[V] emitted distribution when candidate i is tested with q_of(i), one mcss step each,
+    carrying the residual from one candidate to the next."""
+
+    def run() -> tuple[int, torch.Tensor]:
+        dist = p.clone()
+        for i, x in enumerate(cands):
+            index, dist = mcss(dist, q_of(i), [x], True, None)
+            if index == 0:
+                return x, dist
+        return -1, dist
+
+    out = torch.zeros_like(p)
+    for prob, _, _, (token, dist) in branches(u, run):
+        out += prob * (one_hot(token, p.shape[0]) if token >= 0 else dist)
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("seed", range(4))
+def test_deterministic_candidates_with_one_hot_q_give_p(scripted: ScriptedUniform, k: int,
+                                                        seed: int) -> None:
+    v = 6
+    p = random_dist(v, seed, zeros=seed % 2)
+    cands = random_dist(v, 60 + seed).topk(k).indices.tolist()  # the draft's top-k
+    out = deterministic_output(scripted, p, cands, lambda i: one_hot(cands[i], v))
+    assert torch.allclose(out, p, atol=TOL, rtol=0)
+
+
+def emitted_distribution_fixed(u: ScriptedUniform, p: torch.Tensor, q: torch.Tensor,
+                               cands: tuple[int, ...]) -> torch.Tensor:
+    """Like `mcss_output` without the reference check: q need not be what `cands` came from."""
+    out = torch.zeros_like(p)
+    for prob, _, _, (index, dist) in branches(u, lambda: mcss(p, q, list(cands), True, None)):
+        out += prob * (one_hot(cands[index], p.shape[0]) if index >= 0 else dist)
+    return out
+
+
+def test_soft_top_k_q_with_deterministic_candidates_is_biased(scripted: ScriptedUniform) -> None:
+    """Negative control (§2): q = softmax of the draft's top-k logits is not what the
+    deterministic candidates were drawn from; with a sampling target the output is biased."""
+    v, k = 6, 2
+    p, draft = random_dist(v, 11), random_dist(v, 12)
+    cands = draft.topk(k).indices.tolist()
+    soft = torch.zeros(v, dtype=torch.float64)
+    soft[cands] = draft[cands] / draft[cands].sum()
+    out = emitted_distribution_fixed(scripted, p, soft, tuple(cands))
+    assert abs(float(out.sum()) - 1.0) < TOL
+    assert (out - p).abs().max() > 0.01
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy tree walk on crafted logits
+
+GREEDY = Sampling()
+
+
+def crafted_p(argmaxes: list[int | tuple[int, ...]], v: int = 6) -> torch.Tensor:
+    """[n, v] distributions whose arg-max at row i is argmaxes[i] (a tuple: an exact tie)."""
+    logits = torch.zeros(len(argmaxes), v)
+    for i, best in enumerate(argmaxes):
+        logits[i, list(best) if isinstance(best, tuple) else best] = 10.0
+    return torch.softmax(logits, dim=-1)
+
+
+def greedy_walk(tree: Tree, depth: int, tokens: list[int], argmaxes: list, eos_id: int | None,
+                monkeypatch: pytest.MonkeyPatch) -> Verdict:
+    def no_uniform(generator: torch.Generator | None) -> float:
+        raise AssertionError("greedy verification draws no uniform")
+
+    monkeypatch.setattr(verify, "uniform", no_uniform)
+    n = tree.size(depth)
+    q = torch.full((tree.size(depth - 1), 6), 1 / 6)  # unused when greedy
+    return verify_tree(tree, depth, torch.tensor(tokens), crafted_p(argmaxes)[:n], q, GREEDY,
+                       True, eos_id, None)
+
+
+# Tree(1, (2, 2)): root 0; level 1: 1, 2; level 2: 3, 4 (under 1), 5, 6 (under 2).
+TOKENS = [5, 4, 2, 1, 3, 0, 2]
+
+
+def test_greedy_walk_follows_the_argmax_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    verdict = greedy_walk(Tree(1, (2, 2)), 2, TOKENS, [2, 1, 0, 0, 0, 3, 3], None, monkeypatch)
+    assert verdict.path == [0, 2, 5]
+    assert int(torch.argmax(verdict.next_dist)) == 3  # the bonus token is the leaf's arg-max
+    assert verdict.labels.tolist() == [-1, 0, 1, -1, -1, 1, 0]
+
+
+def test_greedy_walk_emits_the_argmax_when_no_child_matches(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    verdict = greedy_walk(Tree(1, (2, 2)), 2, TOKENS, [3, 1, 0, 0, 0, 0, 0], None, monkeypatch)
+    assert verdict.path == [0]
+    assert int(torch.argmax(verdict.next_dist)) == 3
+    assert verdict.labels.tolist() == [-1, 0, 0, -1, -1, -1, -1]
+    verdict = greedy_walk(Tree(1, (2, 2)), 2, TOKENS, [2, 1, 4, 0, 0, 0, 0], None, monkeypatch)
+    assert verdict.path == [0, 2] and int(torch.argmax(verdict.next_dist)) == 4
+    assert verdict.labels.tolist() == [-1, 0, 1, -1, -1, 0, 0]
+
+
+def test_greedy_walk_stops_at_an_accepted_eos(monkeypatch: pytest.MonkeyPatch) -> None:
+    verdict = greedy_walk(Tree(1, (2, 2)), 2, TOKENS, [2, 1, 0, 0, 0, 3, 3], 2, monkeypatch)
+    assert verdict.path == [0, 2] and verdict.next_dist is None
+    assert verdict.labels.tolist() == [-1, 0, 1, -1, -1, -1, -1]  # nothing below an EOS tested
+
+
+def test_greedy_walk_breaks_ties_by_first_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """p ties tokens 2 and 4: torch.argmax picks 2, so the walk follows node 2 (token 2) even
+    though node 1 (token 4) is an equally likely, earlier child."""
+    verdict = greedy_walk(Tree(1, (2, 2)), 2, TOKENS, [(2, 4), 0, 5, 0, 0, 0, 0], None,
+                          monkeypatch)
+    assert verdict.path == [0, 2]
+    assert int(torch.argmax(verdict.next_dist)) == 5
+
+
+def test_greedy_walk_on_a_tree_cut_at_depth_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    verdict = greedy_walk(Tree(1, (2, 2)), 1, TOKENS[:3], [2, 1, 4], None, monkeypatch)
+    assert verdict.path == [0, 2] and int(torch.argmax(verdict.next_dist)) == 4
+    assert verdict.labels.tolist() == [-1, 0, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Depth-2 sampling walk: joint distribution of the first two emitted tokens
+
+
+def bigram(v: int, seed: int, zeros: int = 0) -> torch.Tensor:
+    """[v, v] float64: row a is the next-token distribution after token a."""
+    return torch.stack([random_dist(v, seed * 100 + a, zeros=zeros) for a in range(v)])
+
+
+def tree_candidates(tree: Tree, root: int, q: torch.Tensor,
+                    wor: bool) -> Iterator[tuple[list[int], float]]:
+    """Every depth-2 tree below `root` (tokens in level order) with its probability: each
+    level-1 node's children are drawn from q[its token] before anything is verified."""
+    k1, k2 = tree.branching
+    for level1, prob1 in candidate_tuples(q[root], k1, wor):
+        per_node = [candidate_tuples(q[x], k2, wor) for x in level1]
+        for level2 in itertools.product(*per_node):
+            prob2 = math.prod(prob for _, prob in level2)
+            yield [root, *level1, *(x for kids, _ in level2 for x in kids)], prob1 * prob2
+
+
+END = -1  # column of the joint for "the sequence ended" (an EOS was emitted first)
+
+
+def continuation(p: torch.Tensor, eos_id: int | None) -> torch.Tensor:
+    """[V, V+1]: the second token given the first under target-only decoding (END after EOS)."""
+    v = p.shape[0]
+    then = torch.cat([p, torch.zeros(v, 1, dtype=p.dtype)], dim=1)
+    if eos_id is not None:
+        then[eos_id] = 0.0
+        then[eos_id, END] = 1.0
+    return then
+
+
+def first_two_tokens(verdict: Verdict, tokens: list[int], p: torch.Tensor,
+                     eos_id: int | None) -> torch.Tensor:
+    """[V, V+1] distribution of the first two tokens emitted after the root: the accepted path,
+    then a draw from next_dist, then target-only decoding (P) once the round is over."""
+    emitted = [tokens[node] for node in verdict.path[1:]]
+    out = torch.zeros(p.shape[0], p.shape[0] + 1, dtype=p.dtype)
+    if len(emitted) >= 2:
+        out[emitted[0], emitted[1]] = 1.0
+    elif len(emitted) == 1 and verdict.next_dist is None:  # an accepted EOS
+        out[emitted[0], END] = 1.0
+    elif len(emitted) == 1:
+        out[emitted[0], :-1] = verdict.next_dist.double()
+    else:
+        out = verdict.next_dist.double()[:, None] * continuation(p, eos_id)
+    return out
+
+
+@pytest.mark.parametrize("eos_id", [None, 1], ids=["no-eos", "eos"])
+@pytest.mark.parametrize("wor", [False, True], ids=["with-replacement", "without-replacement"])
+@pytest.mark.parametrize("branching", [(2, 2), (3, 1)])
+def test_depth_two_walk_emits_the_target_bigram(scripted: ScriptedUniform,
+                                                branching: tuple[int, int], wor: bool,
+                                                eos_id: int | None) -> None:
+    v, root = 4, 0
+    p, q = bigram(v, 1, zeros=1), bigram(v, 2, zeros=1)  # truncated, mostly on other tokens
+    tree, sampling = Tree(1, branching), Sampling(temperature=1.0)
+    joint = torch.zeros(v, v + 1, dtype=torch.float64)
+    for tokens, prob in tree_candidates(tree, root, q, wor):
+        ids = torch.tensor(tokens)
+        p_rows, q_rows = p[ids], q[ids[: tree.size(1)]]
+        for leaf_prob, _, _, verdict in branches(scripted, lambda: verify_tree(
+                tree, 2, ids, p_rows, q_rows, sampling, wor, eos_id, None)):
+            joint += prob * leaf_prob * first_two_tokens(verdict, tokens, p, eos_id)
+    expected = p[root][:, None] * continuation(p, eos_id)
+    assert torch.allclose(joint, expected, atol=TOL, rtol=0), (joint - expected).abs().max()
+
+
+def test_sampling_walk_stops_at_an_accepted_eos(scripted: ScriptedUniform) -> None:
+    tree = Tree(1, (2, 2))
+    p, q = bigram(4, 3), bigram(4, 4)
+    ids = torch.tensor([0, 3, 1, 2, 2, 0, 1])
+    scripted.start([False, True])  # reject node 1 (token 3), accept node 2 (token 1 = EOS)
+    verdict = verify_tree(tree, 2, ids, p[ids], q[ids[:3]], Sampling(1.0), True, 1, None)
+    assert verdict.path == [0, 2] and verdict.next_dist is None
+    assert len(scripted.thresholds) == 2  # nothing below the EOS was tested
+    assert verdict.labels.tolist() == [-1, 0, 1, -1, -1, -1, -1]
