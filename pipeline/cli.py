@@ -39,9 +39,13 @@ def _parser() -> argparse.ArgumentParser:
     add_decode_args(gen)
 
     bench = sub.add_parser("bench-decode", help="tokens/s of every method side by side")
-    bench.add_argument("--methods", nargs="+", default=["ar", "sd", "mcsd", "ti-mcsd"])
+    bench.add_argument("--methods", nargs="+", default=["ar", "sd", "mcsd", "ti-mcsd", "ti-mcsd-lossy"],
+                       help="methods to compare; ti-mcsd-lossy is ti-mcsd --lossy")
     bench.add_argument("--prompts", type=int, default=3, help="number of HumanEval prompts")
     bench.add_argument("--prompt", action="append", help="a prompt (repeatable) instead")
+    bench.add_argument("--execute-code", action="store_true",
+                       help="also run HumanEval's tests on every output (executes generated "
+                            "code, each program in a separate process with time/memory limits)")
     add_model_args(bench)
     add_decode_args(bench)
     return parser
@@ -89,21 +93,37 @@ def _generate(args: argparse.Namespace, params: dict) -> None:
 
 
 def _bench_decode(args: argparse.Namespace, params: dict) -> None:
-    from .bench_decode import bench, humaneval_prompts, table
+    from .bench_decode import (bench, humaneval_problems, humaneval_request, score_humaneval,
+                               table)
     from .decode_args import decode_config, runtime_from, seed_from, stopping_policy
 
     _quiet_transformers()
+    if args.execute_code and args.prompt:
+        raise SpecstopError("--execute-code needs HumanEval prompts, not --prompt")
     decode = section(params, "decode")
     methods = ["ar", *[m for m in args.methods if m != "ar"]]
-    configs = [decode_config(args, decode, m) for m in methods]
+    configs = [_with_lossy(decode_config(args, decode, m.removesuffix(LOSSY_SUFFIX)),
+                           m.endswith(LOSSY_SUFFIX)) for m in methods]
     runtime = runtime_from(args, section(params, "models"), section(params, "costs"),
                            need_draft=len(methods) > 1)
-    texts = args.prompt or humaneval_prompts(args.prompts)
+    problems = [] if args.prompt else humaneval_problems(args.prompts)
+    texts = args.prompt or [humaneval_request(p) for p in problems]
     prompts = [runtime.encode(t) for t in texts]
     results = bench(runtime, prompts, configs, stopping_policy(args, decode),
                     seed_from(args, decode))
+    if args.execute_code:
+        score_humaneval(runtime, results, problems)
     print(f"{len(prompts)} prompts, dtype {runtime.target.dtype}, device {runtime.target.device}")
-    print(table(results, len(prompts)))
+    print(table(results, len(prompts), with_pass=args.execute_code))
+
+
+LOSSY_SUFFIX = "-lossy"
+
+
+def _with_lossy(config, lossy: bool):
+    import dataclasses
+
+    return dataclasses.replace(config, lossy=lossy) if lossy else config
 
 
 if __name__ == "__main__":
