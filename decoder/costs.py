@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .files import write_json
 from .kv import KVModel
 
 
@@ -40,10 +41,7 @@ class VerifyCosts:
         return min(wider, key=lambda m: (self.seconds[m], m))
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        tmp.replace(path)
+        write_json(path, asdict(self))
 
     @classmethod
     def load(cls, path: Path) -> "VerifyCosts":

@@ -130,6 +130,8 @@ class RoundRecord:
     tokens: torch.Tensor  # [n] long
     depth: torch.Tensor  # [n] long, 1 = first drafted level
     parent: torch.Tensor  # [n] long, tree index of the parent (roots are 0..W-1)
+    node: torch.Tensor  # [n] long, tree index of the token
+    branch: torch.Tensor  # [n] long, its branch (Tree.branch)
     features: torch.Tensor  # [n, F] float32
     labels: torch.Tensor  # [n] int8: 1 accepted, 0 rejected, -1 after an earlier rejection
     p_target: torch.Tensor  # [n] target probability of the token at its parent
@@ -288,6 +290,8 @@ def _round_record(index: int, tree: Tree, n: int, tokens: torch.Tensor, p: torch
         tokens=kids.cpu(),
         depth=tree.depth[drafted],
         parent=parent,
+        node=drafted,
+        branch=tree.branch[drafted],
         features=features.cpu(),
         labels=labels[drafted],
         p_target=p[parent.to(p.device), kids].float().cpu(),

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from .errors import SpecstopError
+from .errors import SpecstopError, first_line
 
 EMBEDDED = "embedded"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -106,29 +106,51 @@ def convert_embedded(cache_dir: Path = DEFAULT_CACHE) -> Path:
     return cache_dir
 
 
+def _locate(source: str, cache_dir: Path) -> tuple[str, dict]:
+    """Where transformers finds `source`: (folder or hub id, extra from_pretrained kwargs)."""
+    if source == EMBEDDED:
+        return str(convert_embedded(cache_dir)), {}
+    if source.endswith(".gguf"):
+        path = Path(source)
+        if not path.is_file():
+            raise SpecstopError(f"model file not found: {source}")
+        return str(path.parent), {"gguf_file": path.name}
+    if not Path(source).exists() and source.startswith(("/", "./", "../", "~")):
+        raise SpecstopError(f"model folder not found: {source}")
+    return source, {}
+
+
 def load_model(source: str, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
                cache_dir: Path = DEFAULT_CACHE) -> LoadedModel:
     """Load a causal LM and its tokenizer from `embedded`, a folder, a .gguf file or a hub id."""
     device = device or torch.device("cpu")
-    kwargs: dict = {}
-    location = source
-    if source == EMBEDDED:
-        location = str(convert_embedded(cache_dir))
-    elif source.endswith(".gguf"):
-        path = Path(source)
-        if not path.is_file():
-            raise SpecstopError(f"model file not found: {source}")
-        location, kwargs = str(path.parent), {"gguf_file": path.name}
-    elif not Path(source).exists() and source.startswith(("/", "./", "../", "~")):
-        raise SpecstopError(f"model folder not found: {source}")
+    location, kwargs = _locate(source, cache_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype,
                                                      attn_implementation="sdpa", **kwargs)
     except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise SpecstopError(f"cannot load model '{source}': {first}") from err
+        raise SpecstopError(f"cannot load model '{source}': {first_line(err)}") from err
     return LoadedModel(model.to(device).eval(), tokenizer, source)
+
+
+def load_tokenizer(source: str, cache_dir: Path = DEFAULT_CACHE) -> PreTrainedTokenizerBase:
+    """Only the tokenizer of a model named as for `load_model` (no weights are loaded)."""
+    location, kwargs = _locate(source, cache_dir)
+    try:
+        return AutoTokenizer.from_pretrained(location, **kwargs)
+    except (OSError, ValueError) as err:
+        raise SpecstopError(f"cannot load the tokenizer of '{source}': {first_line(err)}") \
+            from err
+
+
+def chat_text(tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:
+    """`prompt` as one user turn through the chat template, ready for the reply (tokenize it
+    without special tokens); the prompt itself where the tokenizer has no template."""
+    if not tokenizer.chat_template:
+        return prompt
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                         add_generation_prompt=True, tokenize=False)
 
 
 def truncated_draft(target: torch.nn.Module, layers: int) -> torch.nn.Module:

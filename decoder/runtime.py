@@ -13,8 +13,8 @@ from .drafter import Drafter, ModelDrafter
 from .errors import SpecstopError
 from .kv import KVModel
 from .loop import DecodeConfig, Generation, generate
-from .models import (DEFAULT_CACHE, check_same_tokenizer, load_model, resolve_device,
-                     resolve_dtype, truncated_draft)
+from .models import (DEFAULT_CACHE, chat_text, check_same_tokenizer, load_model,
+                     resolve_device, resolve_dtype, truncated_draft)
 from .policy import StoppingPolicy
 from .sampling import Sampling
 
@@ -33,16 +33,17 @@ class Runtime:
     def eos_id(self) -> int | None:
         return self.tokenizer.eos_token_id
 
-    def encode(self, prompt: str, chat: bool = True) -> torch.Tensor:
-        """Prompt text -> ids [L], through the chat template when the tokenizer has one."""
+    def encode(self, prompt: str, chat: bool = True, special_tokens: bool = True) -> torch.Tensor:
+        """Prompt text -> ids [L], through the chat template when the tokenizer has one.
+
+        `special_tokens=False` for text already rendered through the chat template."""
         if not prompt.strip():
             raise SpecstopError("the prompt is empty")
         if chat and self.tokenizer.chat_template:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True,
-                tokenize=True, return_dict=False)
+            ids = self.tokenizer(chat_text(self.tokenizer, prompt),
+                                 add_special_tokens=False)["input_ids"]
         else:
-            ids = self.tokenizer(prompt)["input_ids"]
+            ids = self.tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"]
         return torch.tensor(list(ids), dtype=torch.long)
 
     def check_fits(self, prompt: torch.Tensor, config: DecodeConfig) -> None:

@@ -21,6 +21,7 @@ class Tree:
     depth: torch.Tensor = field(init=False, repr=False)  # [N] long
     rank: torch.Tensor = field(init=False, repr=False)  # [N] long, index among siblings
     root: torch.Tensor = field(init=False, repr=False)  # [N] long, the level-0 ancestor
+    branch: torch.Tensor = field(init=False, repr=False)  # [N] long, see `_branches`
     level_start: tuple[int, ...] = field(init=False)  # [max_depth + 2]
     mask: torch.Tensor = field(init=False, repr=False)  # [N, N] bool, self + ancestors
 
@@ -47,7 +48,8 @@ class Tree:
         mask = torch.eye(total, dtype=torch.bool)
         for i in range(starts[1], total):  # parents come first: copy the parent's row
             mask[i] |= mask[parent[i]]
-        for name, value in [("parent", parent), ("depth", depth), ("rank", rank),
+        branch = _branches(self.roots, starts, parent, root)
+        for name, value in [("branch", branch), ("parent", parent), ("depth", depth), ("rank", rank),
                             ("root", root), ("level_start", tuple(starts)), ("mask", mask)]:
             object.__setattr__(self, name, value)
 
@@ -92,3 +94,17 @@ class Tree:
 def chain(depth: int) -> Tree:
     """Classic speculative decoding: one root, one child per level."""
     return Tree(1, (1,) * depth)
+
+
+def _branches(roots: int, starts: list[int], parent: torch.Tensor, root: torch.Tensor
+              ) -> torch.Tensor:
+    """Which branch each node belongs to: its root when there are several roots (lossy
+    ti-mcsd), else the index of its level-1 ancestor within level 1 (-1 for the root)."""
+    if roots > 1:
+        return root.clone()
+    branch = torch.full_like(parent, -1)
+    if len(starts) > 2:
+        branch[starts[1] : starts[2]] = torch.arange(starts[2] - starts[1])
+        for i in range(starts[2], starts[-1]):
+            branch[i] = branch[parent[i]]
+    return branch

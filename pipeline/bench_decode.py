@@ -11,6 +11,8 @@ from specstop.decoder.policy import StoppingPolicy
 from specstop.decoder.quality import extract_code, humaneval_passed, mean_target_logprob
 from specstop.decoder.runtime import Runtime
 
+from .prompt_sources import humaneval_request
+
 
 @dataclass
 class MethodResult:
@@ -34,10 +36,6 @@ def humaneval_problems(n: int) -> list[dict]:
 def humaneval_prompts(n: int) -> list[str]:
     """The first n HumanEval problems as chat requests."""
     return [humaneval_request(p) for p in humaneval_problems(n)]
-
-
-def humaneval_request(problem: dict) -> str:
-    return f"Complete this Python function.\n\n{problem['prompt']}"
 
 
 def bench(runtime: Runtime, prompts: list[torch.Tensor], configs: list[DecodeConfig],

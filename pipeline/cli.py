@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
 
     sub.add_parser("prepare", help="stage: convert the embedded target, measure verify costs")
+    sub.add_parser("prompts", help="stage: read, de-duplicate and split the prompt sources")
+    sub.add_parser("collect", help="stage: log draft features and acceptance (torchrun-able)")
 
     gen = sub.add_parser("generate", help="decode one prompt and print the text")
     gen.add_argument("--method", default=None, help=f"one of {', '.join(METHODS)}")
@@ -60,6 +62,14 @@ def main(argv: list[str] | None = None) -> int:
             from . import prepare
 
             prepare.run(params)
+        elif args.command == "prompts":
+            from . import prompts
+
+            prompts.run(params)
+        elif args.command == "collect":
+            from . import collect
+
+            collect.run(params)
         elif args.command == "generate":
             _generate(args, params)
         elif args.command == "bench-decode":
@@ -93,8 +103,8 @@ def _generate(args: argparse.Namespace, params: dict) -> None:
 
 
 def _bench_decode(args: argparse.Namespace, params: dict) -> None:
-    from .bench_decode import (bench, humaneval_problems, humaneval_request, score_humaneval,
-                               table)
+    from .bench_decode import bench, humaneval_problems, score_humaneval, table
+    from .prompt_sources import humaneval_request
     from .decode_args import decode_config, runtime_from, seed_from, stopping_policy
 
     _quiet_transformers()

@@ -45,12 +45,13 @@ def embedded_dir() -> Path:
 TINY_CONTEXT = 96  # max_position_embeddings of the tiny CLI models: long prompts overflow it
 
 
-def save_tiny_llama(tokenizer: PreTrainedTokenizerBase, folder: Path, seed: int = 0) -> Path:
+def save_tiny_llama(tokenizer: PreTrainedTokenizerBase, folder: Path, seed: int = 0,
+                    context: int = TINY_CONTEXT) -> Path:
     """A tiny random Llama over `tokenizer`'s vocabulary, saved with it as a local model folder."""
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=TINY_CONTEXT, tie_word_embeddings=True,
+                         max_position_embeddings=context, tie_word_embeddings=True,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     LlamaForCausalLM(config).save_pretrained(folder)

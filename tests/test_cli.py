@@ -140,7 +140,10 @@ def test_bench_decode_tables_every_method(cli: Run, case: str):
     assert result.returncode == 0, result.stderr
     head, header, *rows = result.stdout.splitlines()
     assert head.startswith("2 prompts, dtype torch.float32")
-    assert header.split() == ["method", "tokens/s", "vs", "ar", "acc/call", "accept", "=ar"]
+    assert header.split() == ["method", "tokens/s", "vs", "ar", "acc/call", "accept", "=ar",
+                              "logp/tok"]
     table = {row.split()[0]: row.split()[1:] for row in rows}
     assert list(table) == ["ar", "sd", "mcsd", "ti-mcsd"]
-    assert all(cells[-1] == "2/2" for cells in table.values())  # greedy fp32: lossless
+    assert all(cells[-2] == "2/2" for cells in table.values())  # greedy fp32: lossless
+    assert len({cells[-1] for cells in table.values()}) == 1  # same outputs, same log-prob
+    assert all(float(cells[-1]) < 0 for cells in table.values())

@@ -1,0 +1,115 @@
+"""Logged draft steps: the row schema, the decode-loop hook that makes rows, Parquet parts.
+
+One row per drafted token: ids, the feature vector (`specstop.features.FEATURES`, which holds
+the depth), labels.  `label` is the hard label (1 accepted, 0 rejected) given that every
+earlier token of its branch was accepted; tokens after the first rejection of their branch keep
+their row with `label = -1` and `after_rejection = True` (they count wasted draft steps in the
+simulator) but are not training examples.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from specstop.decoder.files import write_atomic, write_json
+
+from .schema import FEATURES, SCHEMA_VERSION, schema_dict
+
+ID_COLUMNS = [
+    ("prompt_id", pa.string()),
+    ("split", pa.string()),
+    ("round", pa.int32()),
+    ("node", pa.int16()),
+    ("parent", pa.int16()),
+    ("branch", pa.int16()),
+    ("token", pa.int32()),
+]
+LABEL_COLUMNS = [
+    ("label", pa.int8()),
+    ("after_rejection", pa.bool_()),
+    ("soft_label", pa.float32()),
+    ("p_target", pa.float32()),
+    ("q_draft", pa.float32()),
+]
+ROW_SCHEMA = pa.schema(ID_COLUMNS + [(f.name, pa.float32()) for f in FEATURES] + LABEL_COLUMNS,
+                       metadata={"feature_schema_version": str(SCHEMA_VERSION)})
+
+
+class DataError(ValueError):
+    """A logged-data file that is missing, corrupt or of another schema."""
+
+
+class RoundLogger:
+    """Decode-loop hook that accumulates rows for one prompt at a time (columnar)."""
+
+    def __init__(self) -> None:
+        self.columns: dict[str, list] = {name: [] for name in ROW_SCHEMA.names}
+        self.prompt_id, self.split = "", ""
+
+    def start(self, prompt_id: str, split: str) -> None:
+        self.prompt_id, self.split = prompt_id, split
+
+    def __call__(self, record) -> None:  # record: specstop.decoder.loop.RoundRecord
+        n = record.tokens.shape[0]
+        c = self.columns
+        c["prompt_id"] += [self.prompt_id] * n
+        c["split"] += [self.split] * n
+        c["round"] += [record.round] * n
+        for name, values in [("node", record.node), ("parent", record.parent),
+                             ("branch", record.branch),
+                             ("token", record.tokens), ("label", record.labels)]:
+            c[name] += values.tolist()
+        features = record.features.numpy()
+        for j, feature in enumerate(FEATURES):
+            c[feature.name] += features[:, j].tolist()
+        c["after_rejection"] += (record.labels < 0).tolist()
+        ratio = record.p_target / record.q_draft.clamp_min(1e-30)
+        c["soft_label"] += torch.clamp(ratio, max=1.0).tolist()
+        c["p_target"] += record.p_target.tolist()
+        c["q_draft"] += record.q_draft.tolist()
+
+    def __len__(self) -> int:
+        return len(self.columns["label"])
+
+    def table(self) -> pa.Table:
+        return pa.table(self.columns, schema=ROW_SCHEMA)
+
+
+def write_part(table: pa.Table, path: Path) -> None:
+    """Write one Parquet part atomically (temp file in the same folder, then rename)."""
+    write_atomic(path, lambda tmp: pq.write_table(table, tmp))
+
+
+def write_schema(folder: Path) -> None:
+    """Save the feature schema beside the data."""
+    write_json(folder / "schema.json", schema_dict())
+
+
+def read_part(path: Path) -> pa.Table:
+    """One part, validated against ROW_SCHEMA; DataError names the file and the problem."""
+    try:
+        table = pq.read_table(path)
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found")
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{path}: corrupt or truncated Parquet file ({err})") from err
+    version = (table.schema.metadata or {}).get(b"feature_schema_version", b"?").decode()
+    if version != str(SCHEMA_VERSION):
+        raise DataError(f"{path}: feature schema version {version}, expected {SCHEMA_VERSION}")
+    if table.schema.remove_metadata() != ROW_SCHEMA.remove_metadata():
+        missing = set(ROW_SCHEMA.names) - set(table.schema.names)
+        raise DataError(f"{path}: columns differ from the row schema"
+                        + (f" (missing {sorted(missing)})" if missing else ""))
+    return table
+
+
+def read_parts(folder: Path) -> pa.Table:
+    """Every part under `folder/parts`, validated, concatenated in part-name order."""
+    parts = sorted((Path(folder) / "parts").glob("*.parquet"))
+    if not parts:
+        raise DataError(f"{folder}: no logged parts (run `specstop collect` first)")
+    return pa.concat_tables([read_part(p) for p in parts])

@@ -1,0 +1,163 @@
+"""Stage `collect`: decode the train/val prompts in logging mode and write one row per drafted
+token (features, hard and soft labels) as Parquet parts, plus the measured cost model.
+
+Prompts are cut into fixed parts of `part_size` prompts; with `torchrun`, rank r of W takes
+parts r, r+W, ...  Each part is written atomically and a re-run skips finished parts, so an
+interrupted run resumes, and the union of the parts does not depend on the number of processes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+from tqdm import tqdm
+
+from specstop.decoder.errors import SpecstopError
+from specstop.decoder.files import write_json
+from specstop.decoder.loop import DecodeConfig
+from specstop.decoder.policy import FixedDepth
+from specstop.decoder.runtime import Runtime, load_runtime, sampling_from
+from specstop.features.dataset import RoundLogger, read_parts, write_part, write_schema
+
+from . import cost_model
+from .params import section
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    split: str
+    prompt_ids: list[str]
+    texts: list[str]
+
+
+def plan_parts(prompts_dir: Path, splits: list[str], part_size: int,
+               max_prompts: int | None) -> list[Part]:
+    """Cut each split's prompts (file order) into parts of `part_size`."""
+    parts = []
+    for split in splits:
+        path = prompts_dir / f"{split}.parquet"
+        if not path.is_file():
+            raise SpecstopError(f"{path}: prompts not found (run `specstop prompts` first)")
+        table = pq.read_table(path, columns=["prompt_id", "text"]).to_pydict()
+        ids, texts = table["prompt_id"][:max_prompts], table["text"][:max_prompts]
+        for start in range(0, len(ids), part_size):
+            parts.append(Part(f"{split}-{start // part_size:05d}", split,
+                              ids[start : start + part_size], texts[start : start + part_size]))
+    return parts
+
+
+def decode_config(collect: dict) -> DecodeConfig:
+    try:
+        return DecodeConfig(
+            method=collect.get("method", "ti-mcsd"),
+            max_new_tokens=int(collect.get("max_new_tokens", 128)),
+            sampling=sampling_from(float(collect.get("temperature", 0.0)),
+                                   float(collect.get("top_p", 1.0))),
+            max_depth=int(collect.get("max_depth", 8)),
+            mcsd_branching=tuple(collect.get("mcsd_branching", [2, 2])),
+            ti_width=int(collect.get("ti_width", 3)),
+            without_replacement=bool(collect.get("without_replacement", True)),
+        )
+    except (TypeError, ValueError) as err:
+        raise SpecstopError(f"params.yaml collect: {err}") from err
+
+
+def collect_part(runtime: Runtime, part: Part, config: DecodeConfig, seed: int,
+                 progress: tqdm) -> RoundLogger:
+    """Decode every prompt of a part with the policy 'draft to the maximum depth'."""
+    logger, policy = RoundLogger(), FixedDepth(config.max_depth)
+    for prompt_id, text in zip(part.prompt_ids, part.texts):
+        logger.start(prompt_id, part.split)
+        prompt = runtime.encode(text, chat=False, special_tokens=False)
+        generation = runtime.generate(prompt, config, policy, seed=_prompt_seed(seed, prompt_id),
+                                      hook=logger)
+        progress.update(1)
+        _note_progress(progress, generation.stats, len(logger))
+    return logger
+
+
+def _prompt_seed(seed: int, prompt_id: str) -> int:
+    """A per-prompt seed independent of which process decodes the prompt."""
+    return (seed * 1_000_003 + int.from_bytes(prompt_id.encode()[-6:].ljust(6, b"\0"), "big")) \
+        % (1 << 62)
+
+
+def _note_progress(progress: tqdm, stats, rows: int) -> None:
+    totals = progress.totals = getattr(progress, "totals", [0, 0.0, 0, 0])
+    totals[0] += stats.new_tokens
+    totals[1] += stats.seconds
+    totals[2] += stats.accepted
+    totals[3] += stats.drafted_levels
+    progress.set_postfix(tok_s=f"{totals[0] / max(totals[1], 1e-9):.1f}",
+                         accept=f"{totals[2] / max(totals[3], 1):.3f}", rows=rows)
+
+
+def run(params: dict) -> None:
+    collect, models = section(params, "collect"), section(params, "models")
+    out = Path(collect.get("out", "data/collect"))
+    rank, world = _init_distributed()
+    config = decode_config(collect)
+    parts = plan_parts(Path(collect.get("prompts", "data/prompts")),
+                       list(collect.get("splits", ["train", "val"])),
+                       int(collect.get("part_size", 4)), collect.get("max_prompts"))
+    mine = [p for i, p in enumerate(parts) if i % world == rank]
+    todo = [p for p in mine if not (out / "parts" / f"{p.name}.parquet").is_file()]
+    runtime = load_runtime(models.get("target", "embedded"), models.get("draft", "layers:2"),
+                           models.get("dtype", "auto"), _device(models.get("device", "auto")),
+                           Path(models.get("cache_dir", "data/models/target")))
+    write_schema(out)
+    progress = tqdm(total=sum(len(p.prompt_ids) for p in todo), desc=f"collect[{rank}/{world}]",
+                    unit="prompt", disable=None)
+    start = time.perf_counter()
+    for part in todo:
+        logger = collect_part(runtime, part, config, int(collect.get("seed", 0)), progress)
+        write_part(logger.table(), out / "parts" / f"{part.name}.parquet")
+    progress.close()
+    elapsed = time.perf_counter() - start
+    _barrier(world)
+    if rank == 0:
+        table = cost_model.measure(runtime, config)
+        write_json(out / "costs.json", table)
+        summary = Path(collect.get("summary", "metrics/collect.json"))
+        write_json(summary, _summary(out, parts, elapsed, world))
+
+
+def _summary(out: Path, parts: list, elapsed: float, world: int) -> dict:
+    table = read_parts(out)
+    labels = table.column("label").to_numpy()
+    return {"parts": len(parts), "rows": int(table.num_rows),
+            "labelled": int((labels >= 0).sum()), "accepted": int((labels == 1).sum()),
+            "rejected": int((labels == 0).sum()), "after_rejection": int((labels < 0).sum()),
+            "last_run_seconds": round(elapsed, 1), "processes": world}
+
+
+def _init_distributed() -> tuple[int, int]:
+    """(rank, world size) under torchrun (gloo on CPU, NCCL on GPU), else (0, 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), world
+
+
+def _device(device: str) -> str:
+    """Under torchrun on GPUs each process takes the GPU of its local rank."""
+    if device == "auto" and torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        return f"cuda:{os.environ['LOCAL_RANK']}"
+    return device
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()

@@ -1,0 +1,151 @@
+"""Stage `collect`: rows and labels, resume, torchrun sharding, validated reads."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from specstop.decoder.drafter import ModelDrafter
+from specstop.decoder.kv import KVModel
+from specstop.decoder.loop import DecodeConfig, generate
+from specstop.decoder.policy import FixedDepth
+from specstop.features.dataset import DataError, RoundLogger, read_part, read_parts, write_part
+from specstop.pipeline import collect
+
+from conftest import perturbed_copy, save_tiny_llama, tiny_llama
+
+REQUESTS = ["add two numbers", "reverse a list", "sort words", "count vowels", "is it prime",
+            "say hello", "fizz buzz"]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(embedded_dir, tmp_path_factory) -> Path:
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    return save_tiny_llama(tokenizer, tmp_path_factory.mktemp("collect-target"), context=512)
+
+
+def make_workdir(folder: Path, target: Path) -> dict:
+    """Prompts of two splits and params for a tiny collection run in `folder`."""
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompts = folder / "data" / "prompts"
+    prompts.mkdir(parents=True)
+    for split, requests in [("train", REQUESTS[:5]), ("val", REQUESTS[5:])]:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": r}], tokenize=False,
+                                               add_generation_prompt=True) for r in requests]
+        pq.write_table(pa.table({"prompt_id": [f"p-{r}" for r in requests], "text": texts}),
+                       prompts / f"{split}.parquet")
+    return {"models": {"target": str(target), "draft": "layers:1", "dtype": "float32",
+                       "device": "cpu"},
+            "collect": {"prompts": str(prompts), "out": str(folder / "data" / "collect"),
+                        "part_size": 2, "max_new_tokens": 10, "max_depth": 4, "ti_width": 2}}
+
+
+def sorted_rows(folder: Path) -> list[tuple]:
+    table = read_parts(folder)
+    return sorted(zip(*[table.column(c).to_pylist() for c in table.column_names]))
+
+
+def test_collect_writes_labelled_rows_and_resumes(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    params = make_workdir(tmp_path, tiny_target)
+    collect.run(params)
+    out = Path(params["collect"]["out"])
+    parts = sorted((out / "parts").glob("*.parquet"))
+    assert [p.stem for p in parts] == ["train-00000", "train-00001", "train-00002", "val-00000"]
+    first = sorted_rows(out)
+    table = read_parts(out)
+    labels = table.column("label").to_numpy()
+    assert (labels >= 0).any() and table.num_rows == len(first)
+    assert set(table.column("prompt_id").to_pylist()) == {f"p-{r}" for r in REQUESTS}
+    for name in ("schema.json", "costs.json"):
+        assert (out / name).is_file()
+    assert Path("metrics/collect.json").is_file()
+    # resume: a lost part is redone, finished ones are not touched, the data is the same
+    stamps = {p: p.stat().st_mtime_ns for p in parts}
+    parts[1].unlink()
+    collect.run(params)
+    assert all(p.stat().st_mtime_ns == stamps[p] for p in parts if p != parts[1])
+    assert sorted_rows(out) == first
+
+
+def test_two_torchrun_processes_equal_one(tiny_target, tmp_path):
+    single, double = tmp_path / "single", tmp_path / "double"
+    for folder in (single, double):
+        folder.mkdir()
+        params = make_workdir(folder, tiny_target)
+        (folder / "params.yaml").write_text(__import__("yaml").safe_dump(params))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cli = ["-m", "specstop.pipeline.cli", "collect"]
+    subprocess.run([sys.executable, *cli], cwd=single, env=env, check=True, capture_output=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_addr", "127.0.0.1", "--master_port", str(port), *cli],
+                          cwd=double, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted_rows(single / "data" / "collect") == sorted_rows(double / "data" / "collect")
+
+
+@pytest.mark.parametrize("config", [DecodeConfig(method="sd", max_new_tokens=30, max_depth=4),
+                                    DecodeConfig(method="ti-mcsd", max_new_tokens=30,
+                                                 max_depth=3, ti_width=3)],
+                         ids=["sd", "ti-mcsd"])
+def test_logged_labels_replay_to_the_verifier_decision(config):
+    """Greedy: a labelled token is accepted iff it is the target's argmax after its parent."""
+    target = tiny_llama(0)
+    draft = perturbed_copy(target, 0.6, seed=1)
+    prompt = torch.tensor([5, 17, 3, 42])
+    logger = RoundLogger()
+    generation = generate(KVModel(target), ModelDrafter(KVModel(draft)), prompt, config,
+                          FixedDepth(config.max_depth), hook=logger)
+    rows = logger.table().to_pydict()
+    committed = torch.cat([prompt, torch.tensor(generation.tokens)])
+    with torch.no_grad():
+        logits = target(committed[None]).logits[0]
+    probs = torch.softmax(logits, -1)
+    # out index of each round's committed root: every round commits its root + accepted tokens
+    starts, position = [], 0
+    for accepted in generation.stats.accepted_per_round:
+        starts.append(position)
+        position += 1 + accepted
+    checked = {0: 0, 1: 0}
+    for i, label in enumerate(rows["label"]):
+        if label < 0:
+            continue
+        parent_index = prompt.shape[0] + starts[rows["round"][i]] + int(rows["depth"][i]) - 1
+        token = rows["token"][i]
+        assert label == int(token == int(logits[parent_index].argmax()))
+        assert abs(rows["p_target"][i] - float(probs[parent_index, token])) < 1e-4
+        assert abs(rows["soft_label"][i] - min(1.0, rows["p_target"][i] / rows["q_draft"][i])) \
+            < 1e-6
+        checked[label] += 1
+    assert checked[0] > 0 and checked[1] > 0
+
+
+def test_reading_bad_parts_gives_clear_errors(tmp_path):
+    logger = RoundLogger()
+    good = tmp_path / "parts" / "a.parquet"
+    write_part(logger.table(), good)
+    assert read_part(good).num_rows == 0
+    truncated = tmp_path / "parts" / "b.parquet"
+    truncated.write_bytes(good.read_bytes()[:20])
+    with pytest.raises(DataError, match="corrupt or truncated"):
+        read_part(truncated)
+    other = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"x": [1]}), other)
+    with pytest.raises(DataError, match="feature schema version"):
+        read_part(other)
+    with pytest.raises(DataError, match="no logged parts"):
+        read_parts(tmp_path / "empty")
+    with pytest.raises(DataError, match="file not found"):
+        read_part(tmp_path / "missing.parquet")
