@@ -59,20 +59,21 @@ def measure_verify_costs(lm: KVModel, name: str, widths: list[int], context: int
     lm.reset()
     lm.extend(prompt, torch.arange(context), None)
     keep = torch.arange(context)
-    seconds: dict[int, float] = {}
+    batches = {}
     for n in sorted(set([1, *widths])):
         ids = torch.randint(0, vocab, (n,), generator=generator)
-        positions = torch.full((n,), context)
         allow = torch.eye(n, dtype=torch.bool)  # a flat tree: the cost depends on n, not shape
-        times = []
-        for i in range(repeats + 2):
+        batches[n] = (ids, torch.full((n,), context), allow if n > 1 else None)
+    times: dict[int, list[float]] = {n: [] for n in batches}
+    for i in range(repeats + 2):  # round-robin over widths, so drift hits every width alike
+        for n, (ids, positions, allow) in batches.items():
             start = time.perf_counter()
-            lm.extend(ids, positions, allow if n > 1 else None)
+            lm.extend(ids, positions, allow)
             if lm.device.type == "cuda":
                 torch.cuda.synchronize()
-            if i >= 2:  # the first two warm up
-                times.append(time.perf_counter() - start)
+            if i >= 2:  # the first two rounds warm up
+                times[n].append(time.perf_counter() - start)
             lm.retain(keep)
-        seconds[n] = statistics.median(times)
+    seconds = {n: statistics.median(t) for n, t in times.items()}
     lm.reset()
     return VerifyCosts(name, str(lm.dtype).removeprefix("torch."), lm.device.type, context, seconds)

@@ -113,7 +113,7 @@ def run(params: dict) -> None:
                            Path(models.get("cache_dir", "data/models/target")))
     write_schema(out)
     progress = tqdm(total=sum(len(p.prompt_ids) for p in todo), desc=f"collect[{rank}/{world}]",
-                    unit="prompt", disable=None)
+                    unit="prompt", mininterval=5)
     start = time.perf_counter()
     for part in todo:
         logger = collect_part(runtime, part, config, int(collect.get("seed", 0)), progress)
@@ -122,6 +122,7 @@ def run(params: dict) -> None:
     elapsed = time.perf_counter() - start
     _barrier(world)
     if rank == 0:
+        torch.set_num_threads(_all_cores())  # costs as one decoding process sees them
         table = cost_model.measure(runtime, config)
         write_json(out / "costs.json", table)
         summary = Path(collect.get("summary", "metrics/collect.json"))
@@ -147,6 +148,11 @@ def _init_distributed() -> tuple[int, int]:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), world
+
+
+def _all_cores() -> int:
+    """Threads a lone decoding process would use (torchrun sets 1 per worker)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def _device(device: str) -> str:

@@ -23,7 +23,8 @@ def measure(runtime: Runtime, config: DecodeConfig, repeats: int = 10) -> dict:
     level_widths = sorted({tree.level_start[d + 1] - tree.level_start[d]
                            for d in range(tree.max_depth)})
     target = measure_verify_costs(runtime.target, "target", tree_sizes, repeats=repeats)
-    result = {"tree_sizes": tree_sizes, "target": asdict(target)}
+    result = {"tree_sizes": tree_sizes, "threads": torch.get_num_threads(),
+              "target": asdict(target)}
     if runtime.drafter is not None:
         draft = measure_verify_costs(runtime.drafter.lm, "draft", level_widths, repeats=repeats)
         result["draft"] = asdict(draft)
