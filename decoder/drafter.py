@@ -8,7 +8,7 @@ round which path the target accepted.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -95,5 +95,3 @@ def draft_children(
     keys = torch.where(q > 0, q.double().log() + gumbel, float("-inf"))
     return keys.topk(k, dim=1).indices
 
-
-DRAFTERS: dict[str, Callable[..., Drafter]] = {"model": ModelDrafter}

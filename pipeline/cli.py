@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
 
 from specstop.decoder.errors import SpecstopError
+from specstop.decoder.loop import DecodeConfig
 
 from .params import DEFAULT_PARAMS, load_params, section
 
@@ -130,9 +132,7 @@ def _bench_decode(args: argparse.Namespace, params: dict) -> None:
 LOSSY_SUFFIX = "-lossy"
 
 
-def _with_lossy(config, lossy: bool):
-    import dataclasses
-
+def _with_lossy(config: DecodeConfig, lossy: bool) -> DecodeConfig:
     return dataclasses.replace(config, lossy=lossy) if lossy else config
 
 
