@@ -23,7 +23,7 @@ from .drafter import Drafter, draft_children
 from .kv import KVModel
 from .policy import FixedDepth, StoppingPolicy
 from .sampling import Sampling, sample, warp
-from .tree import Tree, chain
+from .tree import Tree
 from .verify import dynasd_select, verify_tree
 
 METHODS = ("ar", "sd", "mcsd", "ti-mcsd")
@@ -55,7 +55,11 @@ class DecodeConfig:
         if self.ti_width < 1 or any(k < 1 for k in self.mcsd_branching):
             raise ValueError(f"ti_width and mcsd_branching must be >= 1, got {self.ti_width} "
                              f"and {list(self.mcsd_branching)}")
-        nodes = _tree_nodes(self)
+        roots, branching = _tree_shape(self)
+        nodes = level = roots
+        for k in branching:
+            level *= k
+            nodes += level
         if nodes > MAX_TREE_NODES:
             raise ValueError(f"the {self.method} tree would have {nodes} nodes "
                              f"(at most {MAX_TREE_NODES}); lower the widths or max_depth")
@@ -64,32 +68,22 @@ class DecodeConfig:
 @lru_cache(maxsize=64)
 def tree_for(config: DecodeConfig) -> Tree:
     """The largest tree of a method; each round drafts a leading slice of it."""
+    return Tree(*_tree_shape(config))
+
+
+def _tree_shape(config: DecodeConfig) -> tuple[int, tuple[int, ...]]:
+    """(roots, children per node at levels 1..max_depth) of a method's largest tree."""
     d = config.max_depth
-    if config.method in ("ar", "sd"):
-        return chain(0 if config.method == "ar" else d)
+    if config.method == "ar":
+        return 1, ()
+    if config.method == "sd":
+        return 1, (1,) * d
     if config.method == "mcsd":
         widths = tuple(config.mcsd_branching[:d])
-        return Tree(1, widths + (1,) * (d - len(widths)))
+        return 1, widths + (1,) * (d - len(widths))
     if config.lossy:  # the target's top-W tokens start W chains
-        return Tree(config.ti_width, (1,) * d)
-    return Tree(1, (config.ti_width,) + (1,) * (d - 1))  # exact: prune to the target's own root
-
-
-def _tree_nodes(config: DecodeConfig) -> int:
-    if config.method in ("ar", "sd"):
-        return config.max_depth + 1
-    if config.method == "mcsd":
-        widths = list(config.mcsd_branching[: config.max_depth])
-        widths += [1] * (config.max_depth - len(widths))
-        roots = 1
-    else:
-        roots = config.ti_width if config.lossy else 1
-        widths = [1 if config.lossy else config.ti_width] + [1] * (config.max_depth - 1)
-    total = level = roots
-    for k in widths:
-        level *= k
-        total += level
-    return total
+        return config.ti_width, (1,) * d
+    return 1, (config.ti_width,) + (1,) * (d - 1)  # exact: prune to the target's own root
 
 
 @dataclass
@@ -116,6 +110,12 @@ class DecodeStats:
     def acceptance_rate(self) -> float:
         """Accepted drafted tokens per drafted level (at most one node of a level is accepted)."""
         return self.accepted / max(self.drafted_levels, 1)
+
+    def add(self, other: "DecodeStats") -> None:
+        """Accumulate another generation's counts (per-round history is not kept)."""
+        for name in ("new_tokens", "target_calls", "draft_steps", "drafted_levels",
+                     "drafted_tokens", "accepted", "seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def summary(self) -> str:
         return (f"{self.tokens_per_s:.2f} tokens/s, {self.mean_accepted:.2f} accepted tokens per "

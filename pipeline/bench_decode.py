@@ -53,7 +53,7 @@ def bench(runtime: Runtime, prompts: list[torch.Tensor], configs: list[DecodeCon
                 reference = generation.tokens
             result.identical_to_ar += int(generation.tokens == reference)
             result.outputs.append(generation.tokens)
-            _add(result.stats, generation.stats)
+            result.stats.add(generation.stats)
     for result in results:
         for prompt, tokens in zip(prompts, result.outputs):
             result.logprob_sum += mean_target_logprob(runtime.target, prompt, tokens)
@@ -66,12 +66,6 @@ def score_humaneval(runtime: Runtime, results: list[MethodResult], problems: lis
         for problem, tokens in zip(problems, result.outputs):
             text = runtime.tokenizer.decode(tokens, skip_special_tokens=True)
             result.passed += int(humaneval_passed(problem, extract_code(text)))
-
-
-def _add(total: DecodeStats, one: DecodeStats) -> None:
-    for name in ("new_tokens", "target_calls", "draft_steps", "drafted_levels", "drafted_tokens",
-                 "accepted", "seconds"):
-        setattr(total, name, getattr(total, name) + getattr(one, name))
 
 
 def table(results: list[MethodResult], n_prompts: int, with_pass: bool = False) -> str:

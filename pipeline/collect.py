@@ -8,6 +8,7 @@ interrupted run resumes, and the union of the parts does not depend on the numbe
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from dataclasses import dataclass
@@ -19,12 +20,13 @@ from tqdm import tqdm
 
 from specstop.decoder.errors import SpecstopError
 from specstop.decoder.files import write_json
-from specstop.decoder.loop import DecodeConfig
+from specstop.decoder.loop import DecodeConfig, DecodeStats
 from specstop.decoder.policy import FixedDepth
-from specstop.decoder.runtime import Runtime, load_runtime, sampling_from
+from specstop.decoder.runtime import Runtime, load_runtime
 from specstop.features.dataset import RoundLogger, read_parts, write_part, write_schema
 
 from . import cost_model
+from .decode_args import decode_config
 from .params import section
 
 
@@ -52,24 +54,8 @@ def plan_parts(prompts_dir: Path, splits: list[str], part_size: int,
     return parts
 
 
-def decode_config(collect: dict) -> DecodeConfig:
-    try:
-        return DecodeConfig(
-            method=collect.get("method", "ti-mcsd"),
-            max_new_tokens=int(collect.get("max_new_tokens", 128)),
-            sampling=sampling_from(float(collect.get("temperature", 0.0)),
-                                   float(collect.get("top_p", 1.0))),
-            max_depth=int(collect.get("max_depth", 8)),
-            mcsd_branching=tuple(collect.get("mcsd_branching", [2, 2])),
-            ti_width=int(collect.get("ti_width", 3)),
-            without_replacement=bool(collect.get("without_replacement", True)),
-        )
-    except (TypeError, ValueError) as err:
-        raise SpecstopError(f"params.yaml collect: {err}") from err
-
-
 def collect_part(runtime: Runtime, part: Part, config: DecodeConfig, seed: int,
-                 progress: tqdm) -> RoundLogger:
+                 progress: tqdm, totals: DecodeStats) -> RoundLogger:
     """Decode every prompt of a part with the policy 'draft to the maximum depth'."""
     logger, policy = RoundLogger(), FixedDepth(config.max_depth)
     for prompt_id, text in zip(part.prompt_ids, part.texts):
@@ -77,8 +63,10 @@ def collect_part(runtime: Runtime, part: Part, config: DecodeConfig, seed: int,
         prompt = runtime.encode(text, chat=False, special_tokens=False)
         generation = runtime.generate(prompt, config, policy, seed=_prompt_seed(seed, prompt_id),
                                       hook=logger)
+        totals.add(generation.stats)
         progress.update(1)
-        _note_progress(progress, generation.stats, len(logger))
+        progress.set_postfix(tok_s=f"{totals.tokens_per_s:.1f}",
+                             accept=f"{totals.acceptance_rate:.3f}", rows=len(logger))
     return logger
 
 
@@ -88,21 +76,11 @@ def _prompt_seed(seed: int, prompt_id: str) -> int:
         % (1 << 62)
 
 
-def _note_progress(progress: tqdm, stats, rows: int) -> None:
-    totals = progress.totals = getattr(progress, "totals", [0, 0.0, 0, 0])
-    totals[0] += stats.new_tokens
-    totals[1] += stats.seconds
-    totals[2] += stats.accepted
-    totals[3] += stats.drafted_levels
-    progress.set_postfix(tok_s=f"{totals[0] / max(totals[1], 1e-9):.1f}",
-                         accept=f"{totals[2] / max(totals[3], 1):.3f}", rows=rows)
-
-
 def run(params: dict) -> None:
     collect, models = section(params, "collect"), section(params, "models")
     out = Path(collect.get("out", "data/collect"))
     rank, world = _init_distributed()
-    config = decode_config(collect)
+    config = decode_config(argparse.Namespace(), collect, collect.get("method", "ti-mcsd"))
     parts = plan_parts(Path(collect.get("prompts", "data/prompts")),
                        list(collect.get("splits", ["train", "val"])),
                        int(collect.get("part_size", 4)), collect.get("max_prompts"))
@@ -114,9 +92,10 @@ def run(params: dict) -> None:
     write_schema(out)
     progress = tqdm(total=sum(len(p.prompt_ids) for p in todo), desc=f"collect[{rank}/{world}]",
                     unit="prompt", mininterval=5)
-    start = time.perf_counter()
+    start, totals = time.perf_counter(), DecodeStats()
     for part in todo:
-        logger = collect_part(runtime, part, config, int(collect.get("seed", 0)), progress)
+        logger = collect_part(runtime, part, config, int(collect.get("seed", 0)), progress,
+                              totals)
         write_part(logger.table(), out / "parts" / f"{part.name}.parquet")
     progress.close()
     elapsed = time.perf_counter() - start
