@@ -56,19 +56,22 @@ def measure_verify_costs(lm: KVModel, name: str, widths: list[int], context: int
     vocab = lm.vocab_size
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (context,), generator=generator)
+    def features(n: int) -> torch.Tensor | None:  # a feature-conditioned head reads features
+        return None if lm.feature_size is None else torch.zeros(n, lm.feature_size)
+
     lm.reset()
-    lm.extend(prompt, torch.arange(context), None)
+    lm.extend(prompt, torch.arange(context), None, features(context))
     keep = torch.arange(context)
     batches = {}
     for n in sorted(set([1, *widths])):
         ids = torch.randint(0, vocab, (n,), generator=generator)
         allow = torch.eye(n, dtype=torch.bool)  # a flat tree: the cost depends on n, not shape
-        batches[n] = (ids, torch.full((n,), context), allow if n > 1 else None)
+        batches[n] = (ids, torch.full((n,), context), allow if n > 1 else None, features(n))
     times: dict[int, list[float]] = {n: [] for n in batches}
     for i in range(repeats + 2):  # round-robin over widths, so drift hits every width alike
-        for n, (ids, positions, allow) in batches.items():
+        for n, (ids, positions, allow, feats) in batches.items():
             start = time.perf_counter()
-            lm.extend(ids, positions, allow)
+            lm.extend(ids, positions, allow, feats)
             if lm.device.type == "cuda":
                 torch.cuda.synchronize()
             if i >= 2:  # the first two rounds warm up

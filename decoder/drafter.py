@@ -3,7 +3,8 @@
 A drafter turns the tokens of one tree level into the draft's next-token logits for each of
 them; the decode loop samples the children, so every drafter works with every tree shape,
 stopping policy and verification rule.  The drafter keeps its own cache and is told after each
-round which path the target accepted.
+round which path the target accepted.  A drafter with `needs_target_hidden` also receives the
+target's last hidden states: of the prompt at `reset`, of the verified tree at `commit`.
 """
 
 from __future__ import annotations
@@ -18,14 +19,18 @@ from .tree import Tree
 
 
 class Drafter(Protocol):
-    def reset(self, prompt: torch.Tensor) -> None:  # prompt [L]
-        """Start a new sequence whose committed tokens so far are `prompt`."""
+    needs_target_hidden: bool
+
+    def reset(self, prompt: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
+        """Start a new sequence whose committed tokens so far are `prompt` [L] (hidden [L, H])."""
 
     def step(self, tree: Tree, level: int, ids: torch.Tensor, root_position: int) -> torch.Tensor:
         """Feed the nodes of `level` (ids [n_level]); return draft logits [n_level, V]."""
 
-    def commit(self, tree: Tree, fed_levels: int, path: list[int], tokens: torch.Tensor) -> None:
-        """The target accepted `path` (node indices) of `tokens` [n]; levels < fed_levels were fed."""
+    def commit(self, tree: Tree, fed_levels: int, path: list[int], tokens: torch.Tensor,
+               target_hidden: torch.Tensor | None = None) -> None:
+        """The target accepted `path` (node indices) of `tokens` [n] (its hidden states [n, H]);
+        levels < fed_levels were fed."""
 
 
 class ModelDrafter:
@@ -35,12 +40,14 @@ class ModelDrafter:
     `pending` and are fed as a causal chain in front of the next round's roots.
     """
 
+    needs_target_hidden = False
+
     def __init__(self, lm: KVModel) -> None:
         self.lm = lm
         self.pending = torch.empty(0, dtype=torch.long)
         self.committed = 0  # cached positions that hold committed tokens
 
-    def reset(self, prompt: torch.Tensor) -> None:
+    def reset(self, prompt: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
         self.lm.reset()
         self.pending = prompt.cpu()
         self.committed = 0
@@ -60,7 +67,8 @@ class ModelDrafter:
         self.pending = self.pending[:0]
         return logits[m:]
 
-    def commit(self, tree: Tree, fed_levels: int, path: list[int], tokens: torch.Tensor) -> None:
+    def commit(self, tree: Tree, fed_levels: int, path: list[int], tokens: torch.Tensor,
+               target_hidden: torch.Tensor | None = None) -> None:
         path_t = torch.tensor(path, dtype=torch.long)
         if fed_levels == 0:
             self.pending = torch.cat([self.pending, tokens.cpu()[path_t]])
@@ -71,6 +79,75 @@ class ModelDrafter:
         self.lm.retain(keep)
         self.committed = keep.shape[0]
         self.pending = tokens.cpu()[path_t[~is_fed]]
+
+
+class FeatureDrafter:
+    """A feature-conditioned draft head (EAGLE, arXiv 2401.15077) with its own KV cache.
+
+    Head position j reads (feature of position j-1, token j) and predicts the feature of
+    position j, hence token j+1.  Committed positions read the target's own features; deeper
+    tree levels read the head's predicted feature of their parent.  After a round only the
+    root's cache entry is kept (it read a target feature); the accepted tokens below it wait in
+    `pending` with the target's features of their parents and are fed before the next roots.
+    """
+
+    needs_target_hidden = True
+
+    def __init__(self, lm: KVModel) -> None:
+        if lm.feature_size is None:
+            raise ValueError("FeatureDrafter needs a feature-conditioned head")
+        self.lm = lm
+        self.committed = 0
+
+    def reset(self, prompt: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
+        if target_hidden is None:
+            raise ValueError("a feature-conditioned draft needs the target's hidden states")
+        self.lm.reset()
+        self.committed = 0
+        self.pending = prompt.cpu()[1:]  # position 0 has no preceding feature
+        self.pending_features = target_hidden[:-1]
+        self.last_feature = target_hidden[-1]  # the feature the next root was drawn from
+        self.node_features = target_hidden[:0]  # the head's predicted feature per tree node
+
+    def step(self, tree: Tree, level: int, ids: torch.Tensor, root_position: int) -> torch.Tensor:
+        if level > 0:
+            parents = tree.parent[tree.level(level)].to(self.node_features.device)
+            positions = torch.full((ids.shape[0],), root_position + level, dtype=torch.long)
+            logits, hidden = self.lm.extend_with_hidden(ids, positions, tree.level_rows(level),
+                                                        self.node_features[parents])
+            self.node_features = torch.cat([self.node_features, hidden])
+            return logits
+        m, r = self.pending.shape[0], ids.shape[0]
+        assert self.lm.length + m == root_position - 1, (self.lm.length, m, root_position)
+        allow = torch.ones(m + r, m + r, dtype=torch.bool).tril()
+        allow[m:, m:] = tree.level_rows(0)
+        positions = torch.arange(root_position - m, root_position + r)
+        positions[m:] = root_position
+        features = torch.cat([self.pending_features, self.last_feature.expand(r, -1)])
+        logits, hidden = self.lm.extend_with_hidden(torch.cat([self.pending, ids.cpu()]),
+                                                    positions, allow, features)
+        self.committed = self.lm.length - r
+        self.node_features = hidden[m:]
+        return logits[m:]
+
+    def commit(self, tree: Tree, fed_levels: int, path: list[int], tokens: torch.Tensor,
+               target_hidden: torch.Tensor | None = None) -> None:
+        if target_hidden is None:
+            raise ValueError("a feature-conditioned draft needs the target's hidden states")
+        path_t = torch.tensor(path, dtype=torch.long)
+        accepted = tokens.cpu()[path_t]
+        below_root = target_hidden[path_t[:-1].to(target_hidden.device)]
+        if fed_levels > 0:
+            self.lm.retain(torch.cat([torch.arange(self.committed),
+                                      torch.tensor([self.committed + path[0]])]))
+            self.committed = self.lm.length
+            self.pending = accepted[1:]
+            self.pending_features = below_root
+        else:  # nothing was drafted: the root has not been fed either
+            self.pending = torch.cat([self.pending, accepted])
+            self.pending_features = torch.cat([self.pending_features, self.last_feature[None],
+                                               below_root])
+        self.last_feature = target_hidden[path[-1]]
 
 
 def draft_children(

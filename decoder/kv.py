@@ -22,14 +22,22 @@ class KVModel:
     `extend` appends n tokens; the cache's first `length - tail` positions are visible to all of
     them, and `tail_allow` [n, tail] says which of the last `tail` positions (the tree part,
     ending with the new tokens themselves) each new token may attend to.
+
+    A draft with a pruned output vocabulary returns logits over `vocab_ids` only; they are
+    scattered back into the full vocabulary (the rest gets probability 0, so verification stays
+    exact).  A feature-conditioned draft head (`feature_size` set) also takes one feature vector
+    per new token.
     """
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None,
+                 vocab_ids: torch.Tensor | None = None) -> None:
         attn = getattr(model.config, "_attn_implementation", None)
         if attn is not None and "flash" in attn:
             raise ValueError(f"attention '{attn}' cannot take a tree mask; load with sdpa or eager")
         self.model = model
         self.vocab_size = vocab_size or model.config.vocab_size
+        self.vocab_ids = None if vocab_ids is None else vocab_ids.to(self.device)
+        self.feature_size: int | None = getattr(model, "feature_size", None)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.cache = DynamicCache()
@@ -47,14 +55,27 @@ class KVModel:
         self.cache = DynamicCache()
         self.length = 0
 
-    @torch.inference_mode()
     def extend(
         self,
         ids: torch.Tensor,  # [n] long
         positions: torch.Tensor,  # [n] long
         tail_allow: torch.Tensor | None,  # [n, tail] bool; None = plain causal chain
+        features: torch.Tensor | None = None,  # [n, feature_size] for a feature-conditioned head
+        last_only: bool = False,
     ) -> torch.Tensor:
-        """Feed n tokens, cache them, return their logits [n, V] (model dtype)."""
+        """Feed n tokens, cache them, return their logits [n, V] ([1, V] if `last_only`)."""
+        return self.extend_with_hidden(ids, positions, tail_allow, features, last_only)[0]
+
+    @torch.inference_mode()
+    def extend_with_hidden(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        tail_allow: torch.Tensor | None,
+        features: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `extend`, plus the last layer's (normed) hidden states [n, H] of the new tokens."""
         n = ids.shape[0]
         device = self.device
         mask = None
@@ -66,15 +87,26 @@ class KVModel:
             allow[:, total - tail :] = tail_allow.to(device)
             mask = torch.zeros(1, 1, n, total, dtype=self.dtype, device=device)
             mask.masked_fill_(~allow, torch.finfo(self.dtype).min)
+        extra = {} if features is None else {"features": features.to(device, self.dtype)[None]}
         out = self.model(
             input_ids=ids.to(device)[None],
             attention_mask=mask,
             position_ids=positions.to(device)[None],
             use_cache=True,
+            output_hidden_states=True,
+            logits_to_keep=1 if last_only else 0,
             **{self._cache_kw: self.cache},
+            **extra,
         )
         self.length += n
-        return out.logits[0, :, : self.vocab_size]
+        return self._full_vocab(out.logits[0]), out.hidden_states[-1][0]
+
+    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.vocab_ids is None:
+            return logits[:, : self.vocab_size]
+        full = logits.new_full((logits.shape[0], self.vocab_size), torch.finfo(logits.dtype).min)
+        full[:, self.vocab_ids] = logits
+        return full
 
     def retain(self, keep: torch.Tensor) -> None:
         """Keep only the cached positions `keep` (ascending) [m] long; RoPE needs no recompute."""

@@ -170,11 +170,14 @@ def generate(
     sampling, stats, out = config.sampling, DecodeStats(), []
     start = time.perf_counter()
     target.reset()
-    if drafter is not None:
-        drafter.reset(prompt)
+    wants_hidden = drafter is not None and drafter.needs_target_hidden
 
     # 0. Prefill: the target caches the prompt; r is its next-token distribution.
-    r = _warp_last(target.extend(prompt, torch.arange(prompt.shape[0]), None), sampling)
+    logits, hidden = target.extend_with_hidden(prompt, torch.arange(prompt.shape[0]), None,
+                                               last_only=True)
+    r = warp(logits, sampling)[0]
+    if drafter is not None:
+        drafter.reset(prompt, hidden if wants_hidden else None)
     stats.target_calls += 1
     while True:
         # 1. Roots: the committed draw from r (exact), or the target's top-W (lossy ti-mcsd).
@@ -210,7 +213,8 @@ def generate(
                 features.append(level_features)
                 depth += 1
                 stats.draft_steps += 1
-                if not bool(policy(level_features).any()):
+                parents = tree.parent[tree.level(depth)] - tree.level_start[depth - 1]
+                if not bool(policy(level_features, parents.to(r.device)).any()):
                     break
 
         # 3. Score: one target pass over the tree cut at `depth`, under the sliced mask,
@@ -218,7 +222,8 @@ def generate(
         n = tree.size(depth)
         ids, positions, mask = _padded_pass(tree, depth, tokens, root_position,
                                             costs.padded_width(n) if costs else n)
-        p = warp(target.extend(ids, positions, mask)[:n], sampling)  # [n, V]
+        logits, hidden = target.extend_with_hidden(ids, positions, mask)
+        p = warp(logits[:n], sampling)  # [n, V]
         stats.target_calls += 1
         q_all = torch.cat(q_rows) if q_rows else p[:0]
 
@@ -233,7 +238,7 @@ def generate(
         path = torch.tensor(verdict.path, dtype=torch.long)
         target.retain(torch.cat([torch.arange(root_position), root_position + path]))
         if drafter is not None:
-            drafter.commit(tree, depth, verdict.path, tokens)
+            drafter.commit(tree, depth, verdict.path, tokens, hidden[:n] if wants_hidden else None)
         path_tokens = tokens[path.to(tokens.device)].tolist()
         out.extend(path_tokens if config.lossy else path_tokens[1:])
         accepted = len(verdict.path) - 1
@@ -265,10 +270,6 @@ def _padded_pass(tree: Tree, depth: int, tokens: torch.Tensor, root_position: in
     mask = torch.block_diag(tree.sliced_mask(depth), torch.eye(pad, dtype=torch.bool))
     ids = torch.cat([tokens, tokens[:1].expand(pad)])
     return ids, torch.cat([positions, positions[:1].expand(pad)]), mask
-
-
-def _warp_last(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    return warp(logits[-1:], sampling)[0]
 
 
 def _draw_roots(r: torch.Tensor, width: int, sampling: Sampling, lossy: bool,

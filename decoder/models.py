@@ -115,7 +115,8 @@ def _locate(source: str, cache_dir: Path) -> tuple[str, dict]:
         if not path.is_file():
             raise SpecstopError(f"model file not found: {source}")
         return str(path.parent), {"gguf_file": path.name}
-    if not Path(source).exists() and source.startswith(("/", "./", "../", "~")):
+    looks_local = source.startswith(("/", "./", "../", "~")) or source.count("/") > 1
+    if not Path(source).exists() and looks_local:  # a hub id is `name` or `org/name`
         raise SpecstopError(f"model folder not found: {source}")
     return source, {}
 

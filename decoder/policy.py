@@ -3,7 +3,9 @@
 A policy is batch-first: it sees the feature vectors [n, F] of the tokens just drafted (one row
 per tree node of that level, `specstop.features`) and returns bool [n], True where drafting
 should go on below that token.  The decode loop continues while any node says so; the level
-just drafted is always verified.  No `.item()` inside a policy.
+just drafted is always verified.  No `.item()` inside a policy.  `parents` [n] gives each
+node's parent as a row of the previous call's level (depth > 1; at depth 1 the parents are
+roots), so a policy may keep per-branch state within a round (e.g. a product of predictions).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ Q_TOKEN = feature_index("q_token")
 class StoppingPolicy(Protocol):
     name: str
 
-    def __call__(self, features: torch.Tensor) -> torch.Tensor:  # [n, F] -> [n] bool
+    def __call__(self, features: torch.Tensor,
+                 parents: torch.Tensor | None = None) -> torch.Tensor:  # [n, F] -> [n] bool
         ...
 
 
@@ -34,7 +37,7 @@ class FixedDepth:
         self.gamma = gamma
         self.name = f"fixed-{gamma}"
 
-    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+    def __call__(self, features: torch.Tensor, parents: torch.Tensor | None = None) -> torch.Tensor:
         return features[:, DEPTH] < self.gamma
 
 
@@ -47,5 +50,5 @@ class ConfidenceThreshold:
         self.threshold = threshold
         self.name = f"confidence-{threshold:g}"
 
-    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+    def __call__(self, features: torch.Tensor, parents: torch.Tensor | None = None) -> torch.Tensor:
         return features[:, Q_TOKEN] >= self.threshold

@@ -9,11 +9,12 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from .costs import VerifyCosts
-from .drafter import Drafter, ModelDrafter
+from .draft_models import load_feature_head, prune_head, read_meta
+from .drafter import Drafter, FeatureDrafter, ModelDrafter
 from .errors import SpecstopError
 from .kv import KVModel
 from .loop import DecodeConfig, Generation, generate
-from .models import (DEFAULT_CACHE, chat_text, check_same_tokenizer, load_model,
+from .models import (DEFAULT_CACHE, LoadedModel, chat_text, check_same_tokenizer, load_model,
                      resolve_device, resolve_dtype, truncated_draft)
 from .policy import StoppingPolicy
 from .sampling import Sampling
@@ -71,6 +72,7 @@ def load_runtime(target: str, draft: str | None, dtype: str = "auto", device: st
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     loaded = load_model(target, dt, dev, cache_dir)
+    vocab = loaded.model.config.vocab_size
     drafter = None
     if draft:
         if draft.startswith(TRUNCATED_PREFIX):
@@ -79,11 +81,9 @@ def load_runtime(target: str, draft: str | None, dtype: str = "auto", device: st
             except ValueError:
                 raise SpecstopError(f"bad draft '{draft}': expected layers:N")
             draft_model = truncated_draft(loaded.model, layers)
+            drafter = ModelDrafter(KVModel(draft_model, vocab_size=vocab))
         else:
-            other = load_model(draft, dt, dev, cache_dir)
-            check_same_tokenizer(loaded.tokenizer, other.tokenizer, target, draft)
-            draft_model = other.model
-        drafter = ModelDrafter(KVModel(draft_model, vocab_size=loaded.model.config.vocab_size))
+            drafter = _load_drafter(draft, loaded, dt, dev, cache_dir)
     table = None
     if costs is not None and Path(costs).is_file():
         table = VerifyCosts.load(costs)
@@ -92,6 +92,21 @@ def load_runtime(target: str, draft: str | None, dtype: str = "auto", device: st
             table = None  # measured for another model, dtype or device: not applicable
     limit = getattr(loaded.model.config, "max_position_embeddings", None) or 1 << 30
     return Runtime(KVModel(loaded.model), drafter, loaded.tokenizer, table, limit)
+
+
+def _load_drafter(draft: str, target: LoadedModel, dtype: torch.dtype, device: torch.device,
+                  cache_dir: Path) -> Drafter:
+    """A draft folder built by `specstop draft` (either family), or any LM with the same tokenizer."""
+    vocab = target.model.config.vocab_size
+    meta = read_meta(Path(draft)) if Path(draft).is_dir() else None
+    if meta is not None and meta["family"] == "feature":
+        head = load_feature_head(Path(draft), target.model, meta)
+        return FeatureDrafter(KVModel(head.model, vocab_size=vocab, vocab_ids=head.vocab_ids))
+    other = load_model(draft, dtype, device, cache_dir)
+    check_same_tokenizer(target.tokenizer, other.tokenizer, target.source, draft)
+    ids = None if meta is None or meta["vocab_ids"] is None else torch.tensor(meta["vocab_ids"])
+    model = other.model if ids is None else prune_head(other.model, ids)
+    return ModelDrafter(KVModel(model, vocab_size=vocab, vocab_ids=ids))
 
 
 def sampling_from(temperature: float, top_p: float) -> Sampling:

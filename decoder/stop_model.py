@@ -1,0 +1,143 @@
+"""An exported decision model (TorchScript) as the decode loop's stopping policy.
+
+The file's one interface is `forward(features [N, F] float32) -> P(accept) [N]`; its metadata
+(`_extra_files["specstop.json"]`) names the feature list and schema version it was trained on,
+the family, the tuned rule and its parameters, the training data digest and the MLflow run.
+The rules are those the simulator tuned (`specstop.models.rules`), so the replay and the
+runtime agree:
+
+- threshold: continue below a node while p-hat > t;
+- cost_aware: continue below a node while P_d * p-hat_d / (c + v)_d > rho: P_d the product of
+  p-hat along the node's branch within the round, level d included (reset at depth 1, carried
+  to the children through `parents`), p-hat_d standing in for the next token's acceptance, and
+  (c + v)_d the marginal cost of drafting level d + 1 (in target steps); beyond the levels the
+  cost model covers it stops.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from specstop.features import FEATURES, SCHEMA_VERSION, feature_index
+
+from .errors import SpecstopError, first_line
+
+META_FILE = "specstop.json"
+RULES = ("threshold", "cost_aware")
+DEPTH = feature_index("depth")
+
+
+def read_stop_model(path: Path) -> tuple[torch.jit.ScriptModule, dict]:
+    """(module, metadata) of an exported file; a SpecstopError names the file and the problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecstopError(f"stop model not found: {path}")
+    extra = {META_FILE: ""}
+    try:
+        module = torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
+    except (RuntimeError, ValueError) as err:
+        reason = first_line(err).split(". ")[0]  # torch appends paragraphs of advice
+        raise SpecstopError(f"{path}: not a TorchScript stop model ({reason})") from err
+    if not extra[META_FILE]:
+        raise SpecstopError(f"{path}: no {META_FILE} metadata inside (export it with "
+                            f"`specstop export`)")
+    try:
+        meta = json.loads(extra[META_FILE])
+    except ValueError as err:
+        raise SpecstopError(f"{path}: unreadable {META_FILE} ({first_line(err)})") from err
+    check_schema(meta, path)
+    return module.eval(), meta
+
+
+def check_schema(meta: dict, path: Path) -> None:
+    """Refuse a model trained on another feature vector than `specstop.features` computes."""
+    version, names = meta.get("feature_schema_version"), meta.get("features")
+    ours = [f.name for f in FEATURES]
+    if version != SCHEMA_VERSION:
+        raise SpecstopError(f"{path}: trained on feature schema version {version}, this specstop "
+                            f"computes version {SCHEMA_VERSION}; re-run collect, train and export")
+    if names != ours:
+        diff = next((i for i, (a, b) in enumerate(zip(names or [], ours)) if a != b),
+                    min(len(names or []), len(ours)))
+        raise SpecstopError(f"{path}: feature list differs from specstop.features at column "
+                            f"{diff} ({len(names or [])} vs {len(ours)} features); re-export it")
+
+
+class LearnedPolicy:
+    """A StoppingPolicy from an exported decision model (batch-first, no `.item()`)."""
+
+    def __init__(self, module: torch.jit.ScriptModule, meta: dict, source: str = "") -> None:
+        self.model = module
+        self.meta = meta
+        self.rule = meta.get("rule")
+        if self.rule not in RULES:
+            raise SpecstopError(f"{source or 'stop model'}: unknown rule {self.rule!r} "
+                                f"(expected one of {', '.join(RULES)})")
+        try:
+            self.threshold = float(meta["threshold"])
+            self.rho = float(meta["rho"])
+            marginal = [float(c) for c in meta["marginal_cost"]] + [float("inf")]
+            self.name = f"{meta['family']}-{self.rule}"
+        except (KeyError, TypeError, ValueError) as err:
+            raise SpecstopError(f"{source or 'stop model'}: incomplete metadata "
+                                f"({type(err).__name__}: {err})") from err
+        self.marginal = torch.tensor(marginal, dtype=torch.float64)  # [levels + 1] by depth - 1
+        self.device = torch.device("cpu")
+        self._product: torch.Tensor | None = None  # [n] P_d of the previous call's level
+        self.calls = 0
+        self.seconds = 0.0  # wall time of the calls (CPU; launches only on a GPU)
+
+    def probabilities(self, features: torch.Tensor) -> torch.Tensor:  # [n, F] -> [n]
+        if features.device != self.device:  # follow the decoder's device once
+            self.model, self.marginal = self.model.to(features.device), \
+                self.marginal.to(features.device)
+            self.device = features.device
+        with torch.inference_mode():
+            return self.model(features.float())
+
+    def __call__(self, features: torch.Tensor,
+                 parents: torch.Tensor | None = None) -> torch.Tensor:  # [n, F] -> [n] bool
+        start = time.perf_counter()
+        p = self.probabilities(features)
+        if self.rule == "threshold":
+            go_on = p > self.threshold
+        else:
+            go_on = self._cost_aware(p.double(), features[:, DEPTH], parents)
+        self.calls += 1
+        self.seconds += time.perf_counter() - start
+        return go_on
+
+    def _cost_aware(self, p: torch.Tensor, depth: torch.Tensor,
+                    parents: torch.Tensor | None) -> torch.Tensor:
+        """P_d * p / marginal[d - 1] > rho; P_d restarts where depth == 1 (a new round)."""
+        first = depth == 1
+        if self._product is None or parents is None:
+            product = p
+        else:
+            last = self._product.numel() - 1  # parents of depth-1 rows are roots: any index
+            product = torch.where(first, p, self._product[parents.clamp(0, last)] * p)
+        self._product = product
+        level = (depth.long() - 1).clamp(0, self.marginal.numel() - 1)
+        return product * p / self.marginal[level] > self.rho
+
+    def summary(self) -> str:
+        per_call = self.seconds / self.calls * 1e3 if self.calls else 0.0
+        parameter = (f"threshold {self.threshold:.4g}" if self.rule == "threshold"
+                     else f"rho {self.rho:.4g}")
+        return (f"stop model: {self.meta['family']}, {self.rule} rule ({parameter}); "
+                f"{per_call:.3f} ms per decision over {self.calls} decisions")
+
+
+def load_stop_model(path: Path) -> LearnedPolicy:
+    """The stopping policy of an exported file (`specstop export`), checked against the schema."""
+    module, meta = read_stop_model(path)
+    policy = LearnedPolicy(module, meta, str(path))
+    probe = torch.zeros(3, len(FEATURES))
+    probe[:, DEPTH] = 1.0
+    for _ in range(2):  # TorchScript profiles the first calls: keep them out of decoding
+        policy.probabilities(probe)
+    return policy

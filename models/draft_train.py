@@ -1,0 +1,214 @@
+"""Distil a draft from the target with PyTorch Lightning (either family, one module).
+
+Both families learn the teacher's top-k next-token distribution (cross-entropy over the
+draft's pruned vocabulary); the feature-conditioned head also regresses the target's next
+hidden state (EAGLE's smooth-L1 feature loss), which is what it feeds itself at deeper levels.
+A checkpoint after every validation lets an interrupted run resume; early stopping watches val
+loss and the best weights are kept; metrics go to MLflow.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from .draft_corpus import Sequence
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_minutes: float = 4.0
+    max_epochs: int = 20
+    batch_size: int = 8
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 30
+    feature_loss_weight: float = 1.0  # feature-conditioned head only
+    feature_noise: float = 0.05  # uniform noise on input features (robustness to own errors)
+    unroll: int = 1  # feature head: passes fed with its own predicted features (deeper levels)
+    val_every_steps: int = 40  # also the checkpoint interval (a checkpoint after each validation)
+    patience: int = 4
+    precision: str = "bf16-mixed"
+    seed: int = 0
+
+
+class DraftDistiller(pl.LightningModule):
+    """Teacher-forced distillation of a compact draft or a feature-conditioned head."""
+
+    def __init__(self, draft: torch.nn.Module, family: str, vocab_ids: torch.Tensor | None,
+                 vocab_size: int, config: TrainConfig) -> None:
+        super().__init__()
+        self.draft, self.family, self.config = draft, family, config
+        ids = torch.arange(vocab_size) if vocab_ids is None else vocab_ids
+        to_pruned = torch.full((vocab_size,), -1, dtype=torch.long)
+        to_pruned[ids] = torch.arange(ids.shape[0])
+        self.register_buffer("to_pruned", to_pruned, persistent=False)
+        self.register_buffer("to_full", ids.clone(), persistent=False)
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(loss, greedy agreement per response position, parts) for a padded batch."""
+        ids, top_ids, top_probs, mask = (batch["ids"], batch["top_ids"], batch["top_probs"],
+                                         batch["mask"])
+        parts = {}
+        if self.family == "feature":
+            logits, response, top_ids, top_probs, mask = self._unrolled(batch, parts)
+        else:
+            logits = self.draft(input_ids=ids).logits
+            response = batch["response"]
+        logq = torch.log_softmax(logits.float(), dim=-1)
+        parts.setdefault("kl_loss", self._cross_entropy(logq, top_ids, top_probs, mask))
+        loss = parts["kl_loss"] + self.config.feature_loss_weight * parts.get(
+            "feature_loss", torch.zeros((), device=logq.device))
+        agree = (self.to_full[logq.argmax(-1)] == top_ids[..., 0].long()).float()
+        return loss, _masked_mean(agree, response), parts
+
+    def _cross_entropy(self, logq: torch.Tensor, top_ids: torch.Tensor, top_probs: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy to the teacher's top-k over the draft's (pruned) vocabulary."""
+        pruned = self.to_pruned[top_ids.long()]
+        picked = logq.gather(-1, pruned.clamp_min(0))
+        ce = -(top_probs.float() * picked * (pruned >= 0)).sum(-1)
+        return _masked_mean(ce, mask)
+
+    def _unrolled(self, batch: dict, parts: dict) -> tuple[torch.Tensor, ...]:
+        """The head over the sequence with the target's features, then `unroll - 1` more passes
+        where each position reads the head's own prediction of its predecessor's feature (what
+        deeper draft levels see).  Losses are averaged over the passes; the first pass's logits
+        (level-0 agreement) are returned."""
+        ids, feats = batch["ids"], batch["hidden"].float()
+        top_ids, top_probs, mask = batch["top_ids"][:, 1:], batch["top_probs"][:, 1:], \
+            batch["mask"][:, 1:]
+        inputs = feats[:, :-1]
+        if self.training and self.config.feature_noise > 0:
+            inputs = inputs + (torch.rand_like(inputs) - 0.5) * 2 * self.config.feature_noise
+        positions = torch.arange(1, ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
+        kl, feature, first = [], [], None
+        for _ in range(max(self.config.unroll, 1)):
+            out = self.draft(input_ids=ids[:, 1:], features=inputs, position_ids=positions)
+            predicted = out.hidden_states[-1]
+            first = out.logits if first is None else first
+            logq = torch.log_softmax(out.logits.float(), dim=-1)
+            kl.append(self._cross_entropy(logq, top_ids, top_probs, mask))
+            error = F.smooth_l1_loss(predicted.float(), feats[:, 1:], reduction="none").mean(-1)
+            feature.append(_masked_mean(error, mask))
+            inputs = torch.cat([inputs[:, :1], predicted[:, :-1].float()], dim=1)
+        parts["kl_loss"], parts["feature_loss"] = torch.stack(kl).mean(), torch.stack(feature).mean()
+        return first, batch["response"][:, 1:], top_ids, top_probs, mask
+
+    def training_step(self, batch: dict, _: int) -> torch.Tensor:
+        loss, alpha, parts = self(batch)
+        self.log_dict({"train_loss": loss, "train_alpha": alpha,
+                       **{f"train_{k}": v for k, v in parts.items()}},
+                      batch_size=batch["ids"].shape[0])
+        return loss
+
+    def validation_step(self, batch: dict, _: int) -> None:
+        loss, alpha, _ = self(batch)
+        n = float(batch["response"].sum())
+        self.log_dict({"val_loss": loss, "val_alpha": alpha}, batch_size=n)
+
+    def configure_optimizers(self):
+        params = [p for p in self.draft.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
+        warm = max(self.config.warmup_steps, 1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def collate(sequences: list[Sequence]) -> dict:
+    """Right-padded batch: ids, hidden, teacher top-k, loss mask, response mask."""
+    n, length = len(sequences), max(s.ids.shape[0] for s in sequences)
+    k, h = sequences[0].top_ids.shape[1], sequences[0].hidden.shape[1]
+    batch = {"ids": torch.zeros(n, length, dtype=torch.long),
+             "hidden": torch.zeros(n, length, h, dtype=torch.bfloat16),
+             "top_ids": torch.zeros(n, length, k, dtype=torch.int32),
+             "top_probs": torch.zeros(n, length, k, dtype=torch.float16),
+             "mask": torch.zeros(n, length, dtype=torch.bool),
+             "response": torch.zeros(n, length, dtype=torch.bool)}
+    for i, s in enumerate(sequences):
+        t = s.ids.shape[0]
+        batch["ids"][i, :t] = s.ids
+        batch["hidden"][i, :t] = s.hidden
+        batch["top_ids"][i, :t] = s.top_ids
+        batch["top_probs"][i, :t] = s.top_probs
+        batch["mask"][i, : t - 1] = True  # every position with a next token is taught
+        batch["response"][i, s.prompt_len - 1 : t - 1] = True  # positions predicting the reply
+    return batch
+
+
+class LearningCurve(pl.Callback):
+    """Appends (step, training seconds, sequences seen, val loss, val alpha) at each validation
+    to a CSV; training seconds survive a resume (Lightning's Timer is checkpointed)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def on_validation_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if (trainer.sanity_checking or trainer.state.fn != "fit"
+                or "val_alpha" not in trainer.callback_metrics):
+            return
+        timer = next(c for c in trainer.callbacks if isinstance(c, pl.callbacks.Timer))
+        metrics = trainer.callback_metrics
+        new = not self.path.is_file()
+        with self.path.open("a") as f:
+            if new:
+                f.write("step,train_seconds,sequences_seen,val_loss,val_alpha\n")
+            f.write(f"{trainer.global_step},{timer.time_elapsed('train'):.1f},"
+                    f"{trainer.global_step * module.config.batch_size},"
+                    f"{float(metrics['val_loss']):.5f},{float(metrics['val_alpha']):.5f}\n")
+
+
+def read_curve(path: Path) -> list[dict]:
+    """The learning curve, one row per step (a resumed run's repeated steps counted once)."""
+    if not Path(path).is_file():
+        return []
+    lines = Path(path).read_text().splitlines()
+    names = lines[0].split(",")
+    rows = {}
+    for line in lines[1:]:
+        row = dict(zip(names, map(float, line.split(","))))
+        rows[int(row["step"])] = row
+    return [rows[k] for k in sorted(rows)]
+
+
+def fit(module: DraftDistiller, train: list[Sequence], val: list[Sequence], folder: Path,
+        logger: pl.loggers.Logger | None) -> dict:
+    """Train with checkpoint/resume under `folder`; return the final validation metrics."""
+    config = module.config
+    pl.seed_everything(config.seed, verbose=False)
+    ckpt_dir = Path(folder) / "checkpoints"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    order = list(train)
+    random.Random(config.seed).shuffle(order)
+    loader = DataLoader(order, batch_size=config.batch_size, shuffle=True, collate_fn=collate,
+                        generator=torch.Generator().manual_seed(config.seed))
+    val_loader = DataLoader(val, batch_size=config.batch_size, collate_fn=collate)
+    steps_per_epoch = len(loader)
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=1,
+                                              monitor="val_loss", save_on_train_epoch_end=False)
+    trainer = pl.Trainer(
+        max_epochs=config.max_epochs, max_time={"minutes": config.max_minutes},
+        accelerator="auto", devices=1, precision=config.precision, logger=logger or False,
+        callbacks=[checkpoint, pl.callbacks.EarlyStopping("val_loss", patience=config.patience),
+                   LearningCurve(Path(folder) / "curve.csv")],
+        val_check_interval=min(config.val_every_steps, steps_per_epoch),
+        check_val_every_n_epoch=None if config.val_every_steps < steps_per_epoch else 1,
+        log_every_n_steps=5, enable_model_summary=False, gradient_clip_val=1.0,
+        default_root_dir=str(folder))
+    last = ckpt_dir / "last.ckpt"
+    trainer.fit(module, loader, val_loader, ckpt_path=str(last) if last.is_file() else None)
+    best = checkpoint.best_model_path
+    if best:
+        module.load_state_dict(torch.load(best, weights_only=False)["state_dict"])
+    return {k: float(v) for k, v in trainer.validate(module, val_loader, verbose=False)[0].items()}

@@ -1,0 +1,190 @@
+"""Both draft families on tiny random targets: building, saving/loading, exactness of the decode
+loop with them, the feature head's cache bookkeeping, and one training step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specstop.decoder.draft_models import (build_compact, build_feature_head,
+                                           most_frequent_tokens, read_meta, save_draft)
+from specstop.decoder.drafter import FeatureDrafter, ModelDrafter
+from specstop.decoder.errors import SpecstopError
+from specstop.decoder.kv import KVModel
+from specstop.decoder.loop import DecodeConfig, generate
+from specstop.decoder.runtime import load_runtime
+from specstop.models.draft_corpus import Sequence, token_counts
+from specstop.models.draft_train import DraftDistiller, TrainConfig, collate, fit, read_curve
+
+from conftest import tiny_llama
+
+VOCAB = 97
+PRUNED = most_frequent_tokens(torch.arange(VOCAB).float().flip(0), 40, [VOCAB - 1])
+EXACT = [DecodeConfig(method="sd", max_depth=4, max_new_tokens=30),
+         DecodeConfig(method="mcsd", max_depth=3, mcsd_branching=(2, 2), max_new_tokens=30),
+         DecodeConfig(method="ti-mcsd", max_depth=3, ti_width=3, max_new_tokens=30)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0, layers=3)
+
+
+def drafter_for(target, family: str, vocab_ids):
+    if family == "feature":
+        head = build_feature_head(target, 1, vocab_ids).eval()
+        return FeatureDrafter(KVModel(head, vocab_size=VOCAB, vocab_ids=vocab_ids))
+    draft = build_compact(target, 1, vocab_ids).eval()
+    return ModelDrafter(KVModel(draft, vocab_size=VOCAB, vocab_ids=vocab_ids))
+
+
+def prompts(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (1 + 4 * i,), generator=g) for i in range(n)]
+
+
+def test_most_frequent_tokens_keeps_the_forced_ids():
+    counts = torch.tensor([5, 1, 9, 0, 3])
+    assert most_frequent_tokens(counts, 2, [3]).tolist() == [2, 3]
+    assert most_frequent_tokens(counts, 0, []).tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("family", ["compact", "feature"])
+@pytest.mark.parametrize("pruned", [False, True], ids=["full-vocab", "pruned-vocab"])
+@pytest.mark.parametrize("config", EXACT, ids=lambda c: c.method)
+def test_both_families_keep_greedy_decoding_exact(target, family, pruned, config):
+    vocab_ids = PRUNED if pruned else None
+    for prompt in prompts(3):
+        ar = generate(KVModel(target), None, prompt, DecodeConfig(method="ar", max_new_tokens=30))
+        drafter = drafter_for(target, family, vocab_ids)
+        out = generate(KVModel(target), drafter, prompt, config)
+        assert out.tokens == ar.tokens
+        assert out.stats.draft_steps > 0
+
+
+def test_pruned_draft_proposes_only_its_vocabulary(target):
+    seen = []
+    drafter = drafter_for(target, "compact", PRUNED)
+    generate(KVModel(target), drafter, prompts(1)[0], EXACT[0],
+             hook=lambda record: seen.extend(record.tokens.tolist()))
+    assert seen and set(seen) <= set(PRUNED.tolist())
+
+
+class RecordingFeatureDrafter(FeatureDrafter):
+    """Keeps the level-0 draft logits of every round, keyed by the roots' position."""
+
+    def __init__(self, lm: KVModel) -> None:
+        super().__init__(lm)
+        self.roots: dict[int, torch.Tensor] = {}
+
+    def step(self, tree, level, ids, root_position):
+        logits = super().step(tree, level, ids, root_position)
+        if level == 0:
+            self.roots[root_position] = (ids[0].item(), logits[0].clone())
+        return logits
+
+
+def test_feature_head_cache_matches_a_fresh_pass(target):
+    """After any accepted path, the head's cached view equals a fresh, uncached pass over the
+    committed sequence with the target's own features (no predicted feature is ever kept)."""
+    head = build_feature_head(target, 1, None).eval()
+    drafter = RecordingFeatureDrafter(KVModel(head, vocab_size=VOCAB))
+    prompt = prompts(3)[2]
+    config = DecodeConfig(method="ti-mcsd", max_depth=3, ti_width=2, max_new_tokens=24)
+    out = generate(KVModel(target), drafter, prompt, config)
+    sequence = torch.cat([prompt, torch.tensor(out.tokens)])
+    with torch.no_grad():
+        hidden = target(input_ids=sequence[None], output_hidden_states=True).hidden_states[-1]
+        fresh = head(input_ids=sequence[None, 1:], features=hidden[:, :-1],
+                     position_ids=torch.arange(1, sequence.shape[0])[None]).logits[0]
+    assert len(drafter.roots) > 3
+    for position, (root, logits) in drafter.roots.items():
+        assert int(sequence[position]) == root
+        torch.testing.assert_close(logits, fresh[position - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_saved_drafts_load_through_the_runtime(tiny_model_dir: Path, tmp_path: Path):
+    runtime = load_runtime(str(tiny_model_dir), None, "float32", "cpu")
+    model, tokenizer = runtime.target.model, runtime.tokenizer
+    counts = torch.arange(model.config.vocab_size).flip(0)
+    vocab_ids = most_frequent_tokens(counts, 512, [tokenizer.eos_token_id])
+    prompt = runtime.encode("def add(a, b):")
+    ar = runtime.generate(prompt, DecodeConfig(method="ar", max_new_tokens=12)).tokens
+    for family, build in [("compact", build_compact), ("feature", build_feature_head)]:
+        folder = tmp_path / family
+        save_draft(folder, build(model, 1, vocab_ids), family, model, vocab_ids, {"name": family},
+                   tokenizer=tokenizer)
+        assert read_meta(folder)["family"] == family
+        loaded = load_runtime(str(tiny_model_dir), str(folder), "float32", "cpu")
+        assert loaded.drafter.lm.vocab_ids.tolist() == vocab_ids.tolist()
+        out = loaded.generate(prompt, DecodeConfig(method="sd", max_depth=3, max_new_tokens=12))
+        assert out.tokens == ar
+
+
+def test_a_head_for_another_target_is_refused(tiny_model_dir: Path, tmp_path: Path):
+    other = tiny_llama(1)
+    save_draft(tmp_path / "head", build_feature_head(other, 1, None), "feature", other, None, {})
+    with pytest.raises(SpecstopError, match="built for a target with vocabulary 97"):
+        load_runtime(str(tiny_model_dir), str(tmp_path / "head"), "float32", "cpu")
+
+
+def fake_corpus(target, n: int, seed: int) -> list[Sequence]:
+    """Sequences labelled by the target itself (teacher-forced hidden states and top-k)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (int(torch.randint(8, 20, (1,), generator=g)),), generator=g)
+        with torch.no_grad():
+            result = target(input_ids=ids[None], output_hidden_states=True)
+        probs = torch.softmax(result.logits[0], -1).topk(8)
+        out.append(Sequence(ids, 4, result.hidden_states[-1][0].bfloat16(),
+                            probs.indices.int(), probs.values.half()))
+    return out
+
+
+@pytest.mark.parametrize("family", ["compact", "feature"])
+def test_one_training_step_lowers_the_loss(target, family):
+    torch.manual_seed(0)
+    build = build_feature_head if family == "feature" else build_compact
+    draft = build(target, 1, PRUNED).float().train()
+    config = TrainConfig(lr=3e-3, warmup_steps=1, feature_noise=0.0)
+    module = DraftDistiller(draft, family, PRUNED, VOCAB, config)
+    batch = collate(fake_corpus(target, 6, seed=1))
+    optimizer = module.configure_optimizers()["optimizer"]
+    before, _, _ = module(batch)
+    before.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        after, _, _ = module(batch)
+    assert float(after) < float(before.detach())
+
+
+def test_token_counts_cover_responses_and_teacher_choices(target):
+    corpus = fake_corpus(target, 3, seed=2)
+    counts = token_counts(corpus, VOCAB)
+    expected = sum(s.ids.shape[0] - s.prompt_len + s.ids.shape[0] - s.prompt_len + 1
+                   for s in corpus)
+    assert int(counts.sum()) == expected
+
+
+def test_training_resumes_from_its_last_checkpoint(target, tmp_path: Path):
+    """A second `fit` on the same folder continues from last.ckpt (steps and curve carry on)."""
+    corpus = fake_corpus(target, 8, seed=3)
+
+    def run(epochs: int) -> dict:
+        torch.manual_seed(0)
+        draft = build_compact(target, 1, PRUNED).float().train()
+        config = TrainConfig(max_epochs=epochs, batch_size=4, val_every_steps=1,
+                             precision="32-true", patience=100)
+        module = DraftDistiller(draft, "compact", PRUNED, VOCAB, config)
+        fit(module, corpus, corpus[:2], tmp_path, None)
+        return torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+
+    assert run(1)["global_step"] == 2
+    resumed = run(2)
+    assert resumed["global_step"] == 4 and resumed["epoch"] == 1
+    steps = [int(row["step"]) for row in read_curve(tmp_path / "curve.csv")]
+    assert steps == [1, 2, 3, 4]  # one validation (and checkpoint) per step, none repeated
