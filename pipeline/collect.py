@@ -9,7 +9,10 @@ interrupted run resumes, and the union of the parts does not depend on the numbe
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +87,9 @@ def run(params: dict) -> None:
     parts = plan_parts(Path(collect.get("prompts", "data/prompts")),
                        list(collect.get("splits", ["train", "val"])),
                        int(collect.get("part_size", 4)), collect.get("max_prompts"))
+    if rank == 0:
+        _start_over_if_changed(out, _fingerprint(collect, models))
+    _barrier(world)
     mine = [p for i, p in enumerate(parts) if i % world == rank]
     todo = [p for p in mine if not (out / "parts" / f"{p.name}.parquet").is_file()]
     runtime = load_runtime(models.get("target", "embedded"), models.get("draft", "layers:2"),
@@ -101,11 +107,39 @@ def run(params: dict) -> None:
     elapsed = time.perf_counter() - start
     _barrier(world)
     if rank == 0:
+        threads = torch.get_num_threads()
         torch.set_num_threads(_all_cores())  # costs as one decoding process sees them
         table = cost_model.measure(runtime, config)
+        torch.set_num_threads(threads)
         write_json(out / "costs.json", table)
         summary = Path(collect.get("summary", "metrics/collect.json"))
         write_json(summary, _summary(out, parts, elapsed, world))
+
+
+def _fingerprint(collect: dict, models: dict) -> dict:
+    """What the logged rows depend on: the options, the models and the draft's files."""
+    draft = Path(str(models.get("draft", "")))
+    files = sorted(f for f in draft.rglob("*") if f.is_file()) if draft.is_dir() else []
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.relative_to(draft).as_posix().encode())
+        digest.update(f.read_bytes())
+    return {"collect": collect, "models": models, "draft_files": digest.hexdigest()}
+
+
+def _start_over_if_changed(out: Path, fingerprint: dict) -> None:
+    """Finished parts resume a run only if they were logged with the same options and models;
+    otherwise they are removed (printed) and the collection starts over."""
+    path = out / "run.json"
+    previous = json.loads(path.read_text()) if path.is_file() else None
+    parts = out / "parts"
+    if previous != json.loads(json.dumps(fingerprint)) and parts.is_dir():
+        stale = len(list(parts.glob("*.parquet")))
+        if stale:
+            print(f"collect: options, models or draft changed since {stale} parts were logged; "
+                  f"starting over")
+        shutil.rmtree(parts)
+    write_json(path, fingerprint)
 
 
 def _summary(out: Path, parts: list, elapsed: float, world: int) -> dict:

@@ -75,6 +75,11 @@ def test_collect_writes_labelled_rows_and_resumes(tiny_target, tmp_path, monkeyp
     collect.run(params)
     assert all(p.stat().st_mtime_ns == stamps[p] for p in parts if p != parts[1])
     assert sorted_rows(out) == first
+    # other options: the old parts are not mixed in, the collection starts over
+    params["collect"]["max_depth"] = 3
+    collect.run(params)
+    depths = read_parts(out).column("depth").to_numpy()
+    assert depths.max() == 3 and sorted_rows(out) != first
 
 
 def test_two_torchrun_processes_equal_one(tiny_target, tmp_path):
