@@ -1,0 +1,374 @@
+"""Stage `train` as library code: fit every family, score it and the baselines on val by replay,
+track it in MLflow, save the models, metrics and plot data.
+
+Every entry (family or baseline) gets probability metrics on the labelled val rows (hard
+labels) and a stopping rule tuned on val for simulated speed (`models.rules`); a family's
+speed is the better of its plain threshold and its cost-aware rule.  The oracle
+(`Replay.oracle`) is the upper bound; `fraction_of_gap` is (speed - best fixed) / (oracle -
+best fixed).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from specstop.decoder.errors import SpecstopError
+from specstop.decoder.files import write_json
+from specstop.features import feature_index
+
+from . import data, evaluate, plots, rules, tracking
+from .families import FITTERS, FitData, StopModel, fit_data, search_space
+from .simulate import CostModel, Replay, SimResult
+
+log = logging.getLogger(__name__)
+
+MODEL_FILES = {"logistic": "logistic.json", "lightgbm": "lightgbm.txt", "mlp": "mlp.safetensors"}
+TRANSFORMERS_THRESHOLD = 0.4
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The `train` section of params.yaml (every key optional)."""
+
+    data: Path = Path("data/collect")
+    out: Path = Path("data/train")
+    metrics: Path = Path("metrics/train.json")
+    plots: Path = Path("metrics/train_plots")
+    tracking_uri: str = tracking.DEFAULT_URI
+    experiment: str = "specstop-train"
+    families: tuple[str, ...] = tuple(FITTERS)
+    label: str = "hard"
+    class_weight: str = "balanced"
+    early_stop_fraction: float = 0.15
+    seed: int = 0
+    search_trials: int = 0
+    rho_iterations: int = 5
+    threshold_grid: int = 200
+    charge_decision_latency: bool = True
+    hyperparameters: dict = field(default_factory=dict)  # family -> its section
+
+    @classmethod
+    def from_params(cls, section: dict) -> "TrainConfig":
+        known = {f.name for f in fields(cls)} - {"hyperparameters"}
+        unknown = set(section) - known - set(FITTERS)
+        if unknown:
+            raise SpecstopError(f"params.yaml: unknown key(s) in 'train': {sorted(unknown)}")
+        families = tuple(section.get("families", FITTERS))
+        bad = [f for f in families if f not in FITTERS]
+        if bad:
+            raise SpecstopError(f"train.families: unknown {bad} (choose from {list(FITTERS)})")
+        values = {k: v for k, v in section.items() if k in known}
+        for name in ("data", "out", "metrics", "plots"):
+            if name in values:
+                values[name] = Path(values[name])
+        values["families"] = families
+        return cls(**values, hyperparameters={f: dict(section.get(f) or {}) for f in FITTERS})
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What every entry is scored against: the val replay and labelled rows."""
+
+    replay: Replay
+    costs: CostModel
+    X: np.ndarray  # [n, F] every val row (the policies' inputs)
+    X_labelled: np.ndarray  # [m, F] labelled val rows
+    y_labelled: np.ndarray  # [m] hard labels
+    static: rules.Tuned  # best fixed gamma
+    oracle: SimResult
+    config: TrainConfig
+
+
+@dataclass
+class Entry:
+    name: str
+    quality: dict
+    rules: dict[str, rules.Tuned]
+    latency: float | None = None  # seconds per decision (a learned model)
+    model: StopModel | None = None
+    importance: dict[str, float] | None = None
+    run_id: str | None = None
+
+    @property
+    def best(self) -> rules.Tuned:
+        return max(self.rules.values(), key=lambda t: t.result.speedup)
+
+    def metrics(self, bench: Bench) -> dict:
+        best, static, oracle = self.best.result, bench.static.result, bench.oracle
+        gap = oracle.speedup - static.speedup
+        out = {**self.quality, **best.as_dict(),
+               "fraction_of_oracle": best.speedup / oracle.speedup,
+               "fraction_of_gap": (best.speedup - static.speedup) / gap if gap > 0 else None,
+               "rule": self.best.rule, "parameter": self.best.parameter}
+        if len(self.rules) > 1:
+            out.update({f"{r}_speedup": t.result.speedup for r, t in self.rules.items()})
+        if self.latency is not None:
+            out["decision_latency_ms"] = self.latency * 1e3
+        return out
+
+
+@dataclass(frozen=True)
+class Report:
+    entries: dict[str, Entry]
+    bench: Bench
+    winner: str | None
+    metrics: dict
+
+
+def run(config: TrainConfig) -> Report:
+    """Train, score, track and save; returns what was written to the metrics file."""
+    dataset = data.load(config.data, config.label)
+    bench = _bench(dataset, config)
+    tracking.start(tracking.tracking_uri(config.tracking_uri), config.experiment)
+    entries = _baselines(bench)
+    common = {"label": config.label, "class_weight": config.class_weight,
+              "feature_schema_version": dataset.schema_version,
+              "dataset_digest": dataset.digest, "dropped_rounds": dataset.dropped_rounds}
+    for family in tqdm(config.families, desc="train", unit="family"):
+        entries[family] = _family(family, dataset, bench, common)
+    with tracking.run("baselines") as run_id:
+        _log_baselines(entries, bench, common)
+    for name in entries:
+        if entries[name].model is None:
+            entries[name].run_id = run_id
+    metrics = _metrics(entries, bench, config)
+    winner = _winner([entries[f] for f in config.families])
+    _save(entries, bench, dataset, winner, metrics)
+    return Report(entries, bench, winner, metrics)
+
+
+def _bench(dataset: data.Dataset, config: TrainConfig) -> Bench:
+    costs = CostModel.load(config.data / "costs.json")
+    replay = Replay.from_rows(dataset.val.rows, config.label)
+    if replay.max_depth > costs.max_depth:
+        raise SpecstopError(f"{config.data}: rows reach level {replay.max_depth} but the cost "
+                            f"model stops at {costs.max_depth}")
+    X_labelled, y_labelled = dataset.val.labelled()
+    return Bench(replay, costs, dataset.val.features, X_labelled, y_labelled,
+                 rules.best_fixed(replay, costs), replay.simulate(replay.oracle(costs), costs),
+                 config)
+
+
+def _baselines(bench: Bench) -> dict[str, Entry]:
+    """Fixed gamma, q_token threshold (tuned and transformers' 0.4), entropy threshold."""
+    q_token = bench.X[:, feature_index("q_token")]
+    entropy = bench.X[:, feature_index("q_entropy")]
+    q_labelled = bench.X_labelled[:, feature_index("q_token")]
+    e_labelled = bench.X_labelled[:, feature_index("q_entropy")]
+    replay, costs, grid = bench.replay, bench.costs, bench.config.threshold_grid
+    level_q = replay.level_max(q_token)
+    default = replay.simulate(replay.cut(level_q >= TRANSFORMERS_THRESHOLD), costs)
+    return {
+        "fixed": Entry("fixed", _no_quality(), {"fixed": bench.static}),
+        "confidence": Entry("confidence", evaluate.quality(bench.y_labelled, q_labelled),
+                            {"threshold": rules.tune_threshold(replay, costs, q_token, grid)}),
+        "confidence_0.4": Entry("confidence_0.4",
+                                evaluate.quality(bench.y_labelled, q_labelled),
+                                {"threshold": rules.Tuned("threshold", TRANSFORMERS_THRESHOLD,
+                                                          default)}),
+        "entropy": Entry("entropy", {**_no_quality(), "auc": evaluate.quality(
+            bench.y_labelled, 1 / (1 + e_labelled))["auc"]},
+            {"threshold": _entropy_rule(replay, costs, entropy, grid)}),
+    }
+
+
+def _entropy_rule(replay: Replay, costs: CostModel, entropy: np.ndarray, grid: int
+                  ) -> rules.Tuned:
+    """Continue while the entropy < t: a threshold on -entropy, reported as t."""
+    tuned = rules.tune_threshold(replay, costs, -entropy, grid)
+    return rules.Tuned("threshold", -tuned.parameter, tuned.result,
+                       [(-t, s) for t, s in tuned.curve])
+
+
+def _no_quality() -> dict:
+    return {"auc": None, "log_loss": None, "brier": None, "calibration_error": None}
+
+
+def _family(family: str, dataset: data.Dataset, bench: Bench, common: dict) -> Entry:
+    """Fit (after an optional search), score, log one MLflow run, return the entry."""
+    config = bench.config
+    X, y, groups = dataset.train.examples(config.label)
+    fit = fit_data(X, y, groups, config.class_weight, config.early_stop_fraction, config.seed)
+    with tracking.run(family) as run_id:
+        hp = config.hyperparameters[family]
+        if config.search_trials > 0:
+            hp = _search(family, fit, hp, config)
+        model = FITTERS[family](fit, hp, config.seed)
+        entry = _score(family, model, bench)
+        entry.run_id = run_id
+        tracking.log(params={**common, **{f"hp.{k}": v for k, v in model.hyperparameters.items()},
+                             "train_rows": len(fit.y), "early_stop_rows": len(fit.y_stop)},
+                     metrics=entry.metrics(bench), tags={"family": family})
+        _log_figures(entry, bench)
+        model.log_model(bench.X[bench.replay.level == 1][:3])
+    return entry
+
+
+def _score(name: str, model: StopModel, bench: Bench) -> Entry:
+    config = bench.config
+    level = bench.X[bench.replay.level == 1][:3]
+    latency = evaluate.decision_latency(model.predict_proba, level)
+    extra = latency if config.charge_decision_latency else 0.0
+    p = model.predict_proba(bench.X)
+    tuned = {
+        "threshold": rules.tune_threshold(bench.replay, bench.costs, p, config.threshold_grid,
+                                          extra),
+        "cost_aware": rules.tune_cost_aware(bench.replay, bench.costs, p,
+                                            bench.static.result.speedup, config.rho_iterations,
+                                            config.threshold_grid, extra)}
+    quality = evaluate.quality(bench.y_labelled, model.predict_proba(bench.X_labelled))
+    importance = evaluate.permutation_importance(model.predict_proba, bench.X_labelled,
+                                                 bench.y_labelled, data.FEATURE_NAMES)
+    return Entry(name, quality, tuned, latency, model, importance)
+
+
+def _search(family: str, fit: FitData, base: dict, config: TrainConfig) -> dict:
+    """Optuna: minimise the held-out prompts' cross-entropy; one nested run per trial."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+    def objective(trial) -> float:
+        hp = {**base, **search_space(family, trial)}
+        with tracking.run(f"{family}-trial-{trial.number}", nested=True):
+            p = np.clip(FITTERS[family](fit, hp, config.seed).predict_proba(fit.X_stop),
+                        1e-7, 1 - 1e-7)
+            loss = float(-np.mean(fit.y_stop * np.log(p) + (1 - fit.y_stop) * np.log(1 - p)))
+            tracking.log(params=trial.params, metrics={"early_stop_log_loss": loss})
+        return loss
+
+    study = optuna.create_study(direction="minimize",
+                                sampler=optuna.samplers.TPESampler(seed=config.seed))
+    study.optimize(objective, n_trials=config.search_trials)
+    best = {**base, **search_space(family, optuna.trial.FixedTrial(study.best_params))}
+    tracking.log(params={"search_trials": config.search_trials,
+                         "search_best": study.best_params})
+    return best
+
+
+def _log_figures(entry: Entry, bench: Bench) -> None:
+    p = entry.model.predict_proba(bench.X_labelled)
+    y = bench.y_labelled
+    tracking.log_figure(plots.roc_figure({entry.name: evaluate.roc_points(y, p)}), "roc.png")
+    tracking.log_figure(plots.calibration_figure(
+        {entry.name: evaluate.calibration_table(y, p)}), "calibration.png")
+    tracking.log_figure(plots.speedup_figure(
+        {f"{entry.name} {r}": t.curve for r, t in entry.rules.items()},
+        bench.static.result.speedup, bench.oracle.speedup), "speedup_vs_threshold.png")
+    tracking.log_figure(plots.importance_figure(entry.importance), "feature_importance.png")
+    tracking.log_dict(entry.importance, "feature_importance.json")
+
+
+def _log_baselines(entries: dict[str, Entry], bench: Bench, common: dict) -> None:
+    """The baselines' and the oracle's metrics, and the figures comparing every entry."""
+    metrics = {"oracle.simulated_speedup": bench.oracle.speedup}
+    for name, entry in entries.items():
+        if entry.model is None:
+            metrics.update({f"{name}.{k}": v for k, v in entry.metrics(bench).items()})
+    tracking.log(params=common, metrics=metrics, tags={"family": "baselines"})
+    curves, tables, speed = _curves(entries, bench)
+    tracking.log_figure(plots.roc_figure(curves), "roc.png")
+    tracking.log_figure(plots.calibration_figure(tables), "calibration.png")
+    tracking.log_figure(plots.speedup_figure(speed, bench.static.result.speedup,
+                                             bench.oracle.speedup), "speedup_vs_threshold.png")
+
+
+def _curves(entries: dict[str, Entry], bench: Bench) -> tuple[dict, dict, dict]:
+    """ROC and calibration of every probability (families, q_token), speed curves of every rule."""
+    y = bench.y_labelled
+    probs = {"confidence": bench.X_labelled[:, feature_index("q_token")]}
+    probs.update({n: e.model.predict_proba(bench.X_labelled)
+                  for n, e in entries.items() if e.model is not None})
+    roc = {n: evaluate.roc_points(y, p) for n, p in probs.items()}
+    calibration = {n: evaluate.calibration_table(y, p) for n, p in probs.items()}
+    speed = {f"{n}_{r}" if e.model is not None else n: t.curve
+             for n, e in entries.items() for r, t in e.rules.items() if t.curve}
+    return roc, calibration, speed
+
+
+def _metrics(entries: dict[str, Entry], bench: Bench, config: TrainConfig) -> dict:
+    out = {name: entry.metrics(bench) for name, entry in entries.items()}
+    replay = bench.replay
+    out["oracle"] = bench.oracle.as_dict()
+    if config.label == "hard":
+        first = replay.simulate(replay.first_rejection(), bench.costs)
+        out["oracle"]["first_rejection_speedup"] = first.speedup
+    out["targets"] = _targets(entries, bench, config.families)
+    return out
+
+
+def _targets(entries: dict[str, Entry], bench: Bench, families: tuple[str, ...]) -> dict:
+    """Gains over the best fixed gamma and the tuned confidence threshold (STOPPING.md)."""
+    static = bench.static.result.speedup
+    confidence = entries["confidence"].best.result.speedup
+    gains = {f: {"vs_best_fixed": entries[f].best.result.speedup / static - 1,
+                 "vs_confidence": entries[f].best.result.speedup / confidence - 1}
+             for f in families}
+    best = max(gains.values(), key=lambda g: g["vs_best_fixed"]) if gains else None
+    return {**gains,
+            "all_beat_best_fixed": all(g["vs_best_fixed"] > 0 for g in gains.values()),
+            "best_10pct_over_fixed": bool(best and best["vs_best_fixed"] >= 0.10),
+            "best_3pct_over_confidence": bool(best and best["vs_confidence"] >= 0.03)}
+
+
+def _winner(families: list[Entry]) -> str | None:
+    """Fastest simulated family on val; ties go to the lower decision latency."""
+    if not families:
+        return None
+    return min(families, key=lambda e: (-round(e.best.result.speedup, 9), e.latency)).name
+
+
+def _save(entries: dict[str, Entry], bench: Bench, dataset: data.Dataset, winner: str | None,
+          metrics: dict) -> None:
+    config = bench.config
+    for entry in entries.values():
+        if entry.model is not None:
+            entry.model.save(config.out)
+    write_json(config.out / "summary.json", _summary(entries, bench, dataset, winner))
+    _write_plot_data(entries, bench)
+    write_json(config.metrics, metrics)
+
+
+def _summary(entries: dict[str, Entry], bench: Bench, dataset: data.Dataset,
+             winner: str | None) -> dict:
+    """What the export (issue 6) needs: the winner, each family's file and tuned rules."""
+    config = bench.config
+    families = {
+        name: {"file": MODEL_FILES[name], "run_id": e.run_id, "rule": e.best.rule,
+               "threshold": e.rules["threshold"].parameter,
+               "rho": e.rules["cost_aware"].parameter,
+               "threshold_speedup": e.rules["threshold"].result.speedup,
+               "cost_aware_speedup": e.rules["cost_aware"].result.speedup,
+               "decision_latency_s": e.latency,
+               "marginal_cost": bench.costs.marginal_cost(
+                   e.latency if config.charge_decision_latency else 0.0)[1:-1].tolist()}
+        for name, e in entries.items() if e.model is not None}
+    return {"winner": winner, "feature_schema_version": dataset.schema_version,
+            "dataset_digest": dataset.digest, "label": config.label,
+            "tracking_uri": tracking.tracking_uri(config.tracking_uri),
+            "experiment": config.experiment, "families": families,
+            "baselines_run_id": entries["fixed"].run_id,
+            "best_fixed_gamma": int(bench.static.parameter),
+            "threshold_rule": "after level d, continue while some node has p > threshold",
+            "cost_aware_rule": "after level d (1-based), continue while some node has "
+                               "P_d * p / marginal_cost[d - 1] > rho, P_d the product of p "
+                               "along its branch",
+            "oracle_speedup": bench.oracle.speedup}
+
+
+def _write_plot_data(entries: dict[str, Entry], bench: Bench) -> None:
+    roc, calibration, speed = _curves(entries, bench)
+    folder = bench.config.plots
+    for name, points in roc.items():
+        plots.write_csv(folder / "roc" / f"{name}.csv", ["fpr", "tpr"], points)
+    for name, table in calibration.items():
+        plots.write_csv(folder / "calibration" / f"{name}.csv",
+                        ["predicted", "observed", "rows"], table)
+    for name, curve in speed.items():
+        finite = [(t, s) for t, s in curve if np.isfinite(t)]
+        plots.write_csv(folder / "speedup" / f"{name}.csv", ["threshold", "speedup"], finite)

@@ -1,0 +1,138 @@
+"""Trained decision models (stage `train`'s files) as TorchScript with one interface:
+`forward(features [N, F] float32) -> P(accept) [N]`, the prior correction included.
+
+Logistic regression and the MLP are `torch.jit.script`-ed; LightGBM's trees are compiled to
+tensor operations by hummingbird-ml (raw scores, traced) and wrapped in the same scripted
+`Probability` head.  Each family also comes back with its trained reference predictions (the
+saved arithmetic, NumPy / LightGBM), so the export can check that the file predicts the same.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from specstop.decoder.errors import SpecstopError
+from specstop.decoder.files import write_atomic
+from specstop.decoder.stop_model import META_FILE
+from specstop.features import FEATURES, SCHEMA_VERSION
+
+from .families import LightGBM
+from .mlp import MLP, StopNet
+
+FORMAT = "specstop-stop-model"
+INTERFACE = "forward(features: float32 [N, F]) -> P(accept) [N]"
+
+
+class LinearLogit(nn.Module):
+    """features [n, F] -> logit [n]: standardisation, then a linear model."""
+
+    def __init__(self, mean: list[float], scale: list[float], coef: list[float],
+                 intercept: float) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32))
+        self.register_buffer("scale", torch.tensor(scale, dtype=torch.float32))
+        self.register_buffer("coef", torch.tensor(coef, dtype=torch.float32))
+        self.register_buffer("intercept", torch.tensor(intercept, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x - self.mean) / self.scale) @ self.coef + self.intercept
+
+
+class Probability(nn.Module):
+    """P(accept) [n] = sigmoid(logit(features) - offset); offset: the class-weight prior
+    correction where the logit model does not carry it itself."""
+
+    def __init__(self, logit: nn.Module, offset: float = 0.0) -> None:
+        super().__init__()
+        self.logit = logit
+        self.offset = offset
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:  # [n, F] -> [n]
+        return torch.sigmoid(self.logit(features).reshape(-1) - self.offset)
+
+
+@dataclass
+class Exportable:
+    family: str
+    module: torch.jit.ScriptModule
+    reference: Callable[[np.ndarray], np.ndarray]  # the trained model: X [n, F] -> P [n]
+
+
+def exportable(folder: Path, family: str, example: np.ndarray,
+               tree_implementation: str = "tree_trav") -> Exportable:
+    """The scripted module and reference predictions of a family saved in `folder`; `example`
+    [k, F] traces LightGBM's trees."""
+    loaders = {"logistic": _logistic, "lightgbm": _lightgbm, "mlp": _mlp}
+    if family not in loaders:
+        raise SpecstopError(f"cannot export family '{family}' (known: {', '.join(loaders)})")
+    try:
+        module, reference = loaders[family](Path(folder), example, tree_implementation)
+    except FileNotFoundError as err:
+        raise SpecstopError(f"{folder}: {family} model file missing ({err.filename}); run "
+                            f"`specstop train`") from err
+    return Exportable(family, torch.jit.script(module.eval()), reference)
+
+
+def _logistic(folder: Path, example: np.ndarray, tree_implementation: str):
+    spec = json.loads((folder / "logistic.json").read_text())
+    mean, scale, coef = (np.asarray(spec[k]) for k in ("mean", "scale", "coef"))
+
+    def reference(X: np.ndarray) -> np.ndarray:  # as families.Logistic.predict_proba
+        return 1.0 / (1.0 + np.exp(-(((X - mean) / scale) @ coef + spec["intercept"])))
+
+    return Probability(LinearLogit(spec["mean"], spec["scale"], spec["coef"],
+                                   spec["intercept"])), reference
+
+
+def _lightgbm(folder: Path, example: np.ndarray, tree_implementation: str):
+    import lightgbm as lgb
+    from hummingbird.ml import convert
+
+    path = folder / "lightgbm.txt"
+    if not path.is_file():
+        raise FileNotFoundError(2, "missing", str(path))
+    booster = lgb.Booster(model_file=str(path))
+    offset = json.loads((folder / "lightgbm.json").read_text())["logit_offset"]
+    trees = convert(booster, "torch.jit", example.astype(np.float32),
+                    extra_config={"tree_implementation": tree_implementation,
+                                  "n_threads": torch.get_num_threads()}).model  # else all cores
+    return Probability(trees, offset), LightGBM(booster, offset, {}).predict_proba
+
+
+def _mlp(folder: Path, example: np.ndarray, tree_implementation: str):
+    spec = json.loads((folder / "mlp.json").read_text())
+    net = StopNet(spec["n_features"], spec["hidden"], spec["dropout"])
+    net.load_state_dict(load_file(folder / "mlp.safetensors"))
+    return Probability(net.eval()), MLP(net, spec["hyperparameters"]).predict_proba
+
+
+def metadata(family: str, summary: dict) -> dict:
+    """The `specstop.json` carried inside the file: what the runtime checks and applies."""
+    entry = summary["families"][family]
+    return {"format": FORMAT, "interface": INTERFACE, "family": family,
+            "features": [f.name for f in FEATURES],
+            "feature_schema_version": summary["feature_schema_version"],
+            "rule": entry["rule"], "threshold": entry["threshold"], "rho": entry["rho"],
+            "marginal_cost": entry["marginal_cost"],
+            "rule_text": summary[f"{entry['rule']}_rule"],
+            "simulated_speedup": entry[f"{entry['rule']}_speedup"],
+            "label": summary["label"], "dataset_digest": summary["dataset_digest"],
+            "mlflow_run_id": entry["run_id"], "mlflow_experiment": summary["experiment"]}
+
+
+def save(module: torch.jit.ScriptModule, meta: dict, path: Path) -> None:
+    """torch.jit.save with the metadata as `_extra_files`, atomically."""
+    if meta["feature_schema_version"] != SCHEMA_VERSION:
+        raise SpecstopError(f"the models were trained on feature schema version "
+                            f"{meta['feature_schema_version']}, this specstop computes "
+                            f"{SCHEMA_VERSION}; re-run collect and train")
+    extra = {META_FILE: json.dumps(meta, indent=1)}
+    write_atomic(path, lambda tmp: torch.jit.save(module, str(tmp), _extra_files=extra))

@@ -1,0 +1,212 @@
+"""Offline policy evaluation: replay logged rounds under the recorded cost model.
+
+A round was logged drafted to its full depth (`cap`, the tree's depth or less where the token
+budget ended the generation).  A policy is applied as in `specstop.decoder.loop`: after drafting
+level d it sees the features of every node of level d (those below a rejection too: the runtime
+cannot know) and the round goes on while any node says continue, so a round is cut at a depth
+1 <= D <= cap.  A round cut at D yields `gain[D] + 1` tokens (the accepted tokens plus the
+target's own next token) and costs D draft steps (each at the width of the level it extends,
+plus the feature/decision latency) and one target pass over the tree cut at D.  `ar` costs one
+target one-token step per token, so the speedup vs `ar` is tokens per target-step of time.
+
+`gain[D]` is the expected number of accepted levels of the tree cut at D.  Hard labels (greedy):
+the number of levels up to D with an accepted node, exact.  Soft labels (sampling), with
+s = min(1, p/q): along one chain, sum_j prod_{i<=j} s_i, exact; where a node has several
+children they are taken as tried in rank order, independently, each accepted with its s
+(multi-candidate recursive rejection with independent candidates; an approximation).
+
+Approximation: rounds are replayed as independent samples; a run with another policy would
+start its rounds at other positions of the output and see other rounds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from specstop.features.dataset import DataError
+
+from .data import ROUND_KEYS
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds from `costs.json` (stage `collect`), read as target one-token steps."""
+
+    tree_sizes: tuple[int, ...]  # nodes of the tree cut at depth 0..max_depth
+    target: dict[int, float]  # seconds of one target pass by width
+    draft: dict[int, float]  # seconds of one draft step by width
+    decision: float  # seconds of the features + a threshold decision for one level
+
+    @classmethod
+    def load(cls, path: Path) -> "CostModel":
+        try:
+            raw = json.loads(Path(path).read_text())
+            return cls(tuple(int(n) for n in raw["tree_sizes"]),
+                       {int(k): float(v) for k, v in raw["target"]["seconds"].items()},
+                       {int(k): float(v) for k, v in raw["draft"]["seconds"].items()},
+                       float(raw.get("decision_seconds", 0.0)))
+        except FileNotFoundError:
+            raise DataError(f"{path}: cost model not found (run `specstop collect` first)")
+        except (KeyError, TypeError, ValueError) as err:
+            raise DataError(f"{path}: not a cost model (bad or missing field {err})") from err
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.tree_sizes) - 1
+
+    @property
+    def target_step(self) -> float:
+        return _at(self.target, 1)
+
+    def round_cost(self, extra: float = 0.0) -> np.ndarray:
+        """[max_depth + 1] cost (target steps) of a round cut at depth D; `extra` seconds per
+        decision (a learned model's latency)."""
+        sizes = (0, *self.tree_sizes)
+        steps = [_at(self.draft, sizes[d] - sizes[d - 1]) + self.decision + extra
+                 for d in range(1, self.max_depth + 1)]
+        draft = np.concatenate([[0.0], np.cumsum(steps)])
+        verify = np.array([_at(self.target, n) for n in self.tree_sizes])
+        return (draft + verify) / self.target_step
+
+    def marginal_cost(self, extra: float = 0.0) -> np.ndarray:
+        """[max_depth + 1] c + v: cost (target steps) of drafting and verifying level d + 1
+        after level d (index d; the last entry is unused)."""
+        cost = self.round_cost(extra)
+        return np.append(np.diff(cost), np.inf)
+
+
+def _at(seconds: dict[int, float], width: int) -> float:
+    """Measured seconds at `width`, linearly interpolated (or extrapolated) between widths."""
+    if width in seconds:
+        return seconds[width]
+    widths = np.array(sorted(seconds))
+    values = np.array([seconds[w] for w in widths])
+    if len(widths) == 1:
+        return float(values[0])
+    if width > widths[-1]:
+        slope = (values[-1] - values[-2]) / (widths[-1] - widths[-2])
+        return float(values[-1] + slope * (width - widths[-1]))
+    return float(np.interp(width, widths, values))
+
+
+@dataclass(frozen=True)
+class SimResult:
+    speedup: float  # tokens per second relative to ar
+    tokens_per_call: float  # mean accepted tokens (+ the target's own) per target call
+    wasted_steps: float  # mean drafted levels per round beyond the accepted ones
+    mean_depth: float  # mean drafted levels per round
+
+    def as_dict(self) -> dict:
+        return {"simulated_speedup": self.speedup, "tokens_per_call": self.tokens_per_call,
+                "wasted_draft_steps": self.wasted_steps, "mean_depth": self.mean_depth}
+
+
+@dataclass(frozen=True)
+class Replay:
+    """The rounds of one split, ready to score any stopping policy."""
+
+    round_index: np.ndarray  # [n] round of each row (0..R-1)
+    level: np.ndarray  # [n] level of each row (1 = first drafted)
+    parent_row: np.ndarray  # [n] row of the parent, -1 where the parent is a root
+    cap: np.ndarray  # [R] deepest drafted level of each round
+    gain: np.ndarray  # [R, max_depth + 1] expected accepted levels of the round cut at D
+    max_depth: int
+
+    @classmethod
+    def from_rows(cls, rows: pd.DataFrame, label: str) -> "Replay":
+        """`rows` ordered by (prompt, round, node), as `models.data.Split.rows`."""
+        round_index = rows.groupby(ROUND_KEYS, sort=False).ngroup().to_numpy()
+        level = rows["depth"].to_numpy().astype(np.int64)
+        parent_row = _parent_rows(round_index, rows["node"].to_numpy(), rows["parent"].to_numpy())
+        cap = np.zeros(round_index.max() + 1, dtype=np.int64)
+        np.maximum.at(cap, round_index, level)
+        accept = ((rows["label"] == 1) if label == "hard" else rows["soft_label"]).to_numpy(float)
+        gain = _gain(round_index, level, parent_row, accept, rows["parent"].to_numpy(),
+                     len(cap), int(level.max()))
+        return cls(round_index, level, parent_row, cap, gain, int(level.max()))
+
+    @property
+    def rounds(self) -> int:
+        return len(self.cap)
+
+    def level_max(self, score: np.ndarray) -> np.ndarray:
+        """[R, max_depth] max of a per-row score over each level's nodes (-inf: not drafted)."""
+        out = np.full((self.rounds, self.max_depth), -np.inf)
+        np.maximum.at(out, (self.round_index, self.level - 1), score)
+        return out
+
+    def path_product(self, p: np.ndarray) -> np.ndarray:
+        """[n] product of a per-row probability along each row's branch, from level 1."""
+        out = p.astype(np.float64).copy()
+        for d in range(2, self.max_depth + 1):
+            rows = np.flatnonzero((self.level == d) & (self.parent_row >= 0))
+            out[rows] *= out[self.parent_row[rows]]
+        return out
+
+    def cut(self, go_on: np.ndarray) -> np.ndarray:
+        """[R] depth D of each round given go_on [R, max_depth]: after level d, draft d + 1."""
+        levels = np.arange(1, self.max_depth + 1)
+        go_on = go_on & (levels[None, :] < self.cap[:, None])
+        return np.argmin(go_on, axis=1) + 1
+
+    def fixed(self, gamma: int) -> np.ndarray:
+        return np.minimum(gamma, self.cap)
+
+    def simulate(self, depth: np.ndarray, costs: CostModel, extra: float = 0.0) -> SimResult:
+        """Replay every round cut at `depth` [R]."""
+        accepted = self.gain[np.arange(self.rounds), depth]
+        tokens = accepted + 1
+        cost = costs.round_cost(extra)[depth]
+        return SimResult(float(tokens.sum() / cost.sum()), float(tokens.mean()),
+                         float((depth - accepted).mean()), float(depth.mean()))
+
+    def first_rejection(self) -> np.ndarray:
+        """Hard labels: stop right after the first rejected level, D = min(a + 1, cap): the
+        rejected level is drafted, as by a perfect predictor of the token just drafted."""
+        accepted = self.gain[np.arange(self.rounds), self.cap].astype(np.int64)
+        return np.minimum(accepted + 1, self.cap)
+
+    def oracle(self, costs: CostModel, iterations: int = 10) -> np.ndarray:
+        """The upper bound: per round, the D maximising gain[D] + 1 - rho * cost(D), rho the
+        resulting speedup (Dinkelbach), i.e. knowing each round's acceptance in advance.  Hard
+        labels: D = max(a, 1), it stops exactly at the first rejection without drafting the
+        rejected level (no wasted step, but at least one level: the loop drafts before asking)."""
+        cost = costs.round_cost()
+        levels = np.arange(self.max_depth + 1)
+        allowed = (levels[None, :] >= 1) & (levels[None, :] <= self.cap[:, None])
+        rho = 1.0
+        for _ in range(iterations):
+            value = np.where(allowed, self.gain + 1 - rho * cost[None, :], -np.inf)
+            depth = np.argmax(value, axis=1)
+            rho = self.simulate(depth, costs).speedup
+        return depth
+
+
+def _parent_rows(round_index: np.ndarray, node: np.ndarray, parent: np.ndarray) -> np.ndarray:
+    width = int(node.max()) + 1
+    lookup = np.full((round_index.max() + 1) * width, -1, dtype=np.int64)
+    lookup[round_index * width + node] = np.arange(len(node))
+    return np.where(parent >= 0, lookup[round_index * width + np.clip(parent, 0, None)], -1)
+
+
+def _gain(round_index: np.ndarray, level: np.ndarray, parent_row: np.ndarray,
+          accept: np.ndarray, parent: np.ndarray, rounds: int, max_depth: int) -> np.ndarray:
+    """[R, max_depth + 1] expected accepted levels; children of a node tried in rank order."""
+    siblings = pd.Series(1.0 - accept).groupby([round_index, parent])
+    before = siblings.cumprod().groupby([round_index, parent]).shift(1, fill_value=1.0)
+    reach = before.to_numpy() * accept  # this child is the one accepted at its parent
+    gain = np.zeros((rounds, max_depth + 1))
+    for depth in range(1, max_depth + 1):
+        below = np.zeros(len(level))  # expected accepted levels below each row, cut at depth
+        for d in range(depth, 0, -1):
+            rows = np.flatnonzero(level == d)
+            value = reach[rows] * (1.0 + below[rows])
+            inner = parent_row[rows] >= 0
+            np.add.at(below, parent_row[rows[inner]], value[inner])
+            np.add.at(gain[:, depth], round_index[rows[~inner]], value[~inner])
+    return gain

@@ -1,0 +1,170 @@
+"""Stage `train` on synthetic logged rows: metrics contract, saved models, MLflow runs, errors."""
+
+from __future__ import annotations
+
+import json
+
+import lightgbm as lgb
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specstop.decoder.errors import SpecstopError
+from specstop.features.dataset import ROW_SCHEMA, DataError, read_parts, write_part
+from specstop.models import data, experiment
+from specstop.models.families import fit_data
+from specstop.models.mlp import StopNet
+from specstop.pipeline import train
+
+from synthetic_rows import make_collect
+
+CONTRACT = {"auc", "log_loss", "brier", "simulated_speedup", "fraction_of_oracle"}
+FAST = {"mlp": {"hidden": [32], "max_epochs": 15, "batch_size": 128, "lr": 0.003},
+        "lightgbm": {"n_estimators": 60, "num_leaves": 7, "min_child_samples": 10}}
+
+
+def params_for(tmp_path, **overrides) -> dict:
+    return {"train": {"data": str(tmp_path / "collect"), "out": str(tmp_path / "train"),
+                      "metrics": str(tmp_path / "metrics" / "train.json"),
+                      "plots": str(tmp_path / "metrics" / "plots"),
+                      "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+                      "threshold_grid": 40, **FAST, **overrides}}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("train")
+    make_collect(folder / "collect", prompts={"train": 24, "val": 8}, rounds=20)
+    params = params_for(folder)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(folder)
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        config = experiment.TrainConfig.from_params(params["train"])
+        report = experiment.run(config)
+    return folder, config, report
+
+
+def test_metrics_follow_the_contract(trained):
+    folder, config, report = trained
+    metrics = json.loads(config.metrics.read_text())
+    for name in ("logistic", "lightgbm", "mlp", "fixed", "confidence", "entropy"):
+        assert CONTRACT <= set(metrics[name]), name
+    assert metrics["oracle"]["simulated_speedup"] >= max(
+        m["simulated_speedup"] for n, m in metrics.items() if n not in ("oracle", "targets"))
+    families = ("logistic", "lightgbm", "mlp")
+    assert all(0.7 < metrics[f]["auc"] <= 1.0 for f in families)
+    assert max(metrics[f]["simulated_speedup"] for f in families) \
+        > metrics["fixed"]["simulated_speedup"]
+    for kind in ("roc", "calibration", "speedup"):
+        assert any((config.plots / kind).glob("*.csv")), kind
+
+
+def test_saved_models_reproduce_the_predictions(trained):
+    folder, config, report = trained
+    X = report.bench.X[:50]
+    summary = json.loads((config.out / "summary.json").read_text())
+    assert summary["winner"] in ("logistic", "lightgbm", "mlp")
+    assert summary["feature_schema_version"] == 1 and len(summary["dataset_digest"]) == 64
+    lr = json.loads((config.out / "logistic.json").read_text())
+    logit = ((X - lr["mean"]) / lr["scale"]) @ np.array(lr["coef"]) + lr["intercept"]
+    assert 1 / (1 + np.exp(-logit)) == pytest.approx(
+        report.entries["logistic"].model.predict_proba(X), abs=1e-5)
+    booster = lgb.Booster(model_file=str(config.out / "lightgbm.txt"))
+    offset = json.loads((config.out / "lightgbm.json").read_text())["logit_offset"]
+    raw = booster.predict(X, raw_score=True) - offset
+    assert 1 / (1 + np.exp(-raw)) == pytest.approx(
+        report.entries["lightgbm"].model.predict_proba(X), abs=1e-6)
+    spec = json.loads((config.out / "mlp.json").read_text())
+    net = StopNet(spec["n_features"], spec["hidden"], spec["dropout"]).eval()
+    net.load_state_dict(load_file(config.out / "mlp.safetensors"))
+    with torch.no_grad():
+        p = torch.sigmoid(net(torch.tensor(X))).numpy()
+    assert p == pytest.approx(report.entries["mlp"].model.predict_proba(X), abs=1e-6)
+
+
+def test_one_mlflow_run_per_family_and_the_baselines(trained):
+    import mlflow
+
+    folder, config, report = trained
+    client = mlflow.MlflowClient(config.tracking_uri)
+    experiment_id = client.get_experiment_by_name(config.experiment).experiment_id
+    runs = {r.info.run_name: r for r in client.search_runs([experiment_id])}
+    assert {"logistic", "lightgbm", "mlp", "baselines"} <= set(runs)
+    mlp = runs["mlp"].data
+    for key in ("auc", "log_loss", "brier", "calibration_error", "simulated_speedup",
+                "fraction_of_oracle", "decision_latency_ms"):
+        assert key in mlp.metrics
+    assert len(mlp.params["dataset_digest"]) == 64 and mlp.params["feature_schema_version"] == "1"
+    artifacts = {a.path for a in client.list_artifacts(runs["lightgbm"].info.run_id)}
+    assert {"roc.png", "calibration.png", "speedup_vs_threshold.png",
+            "feature_importance.png"} <= artifacts
+
+
+def test_train_prompts_are_held_out_whole():
+    groups = np.repeat(np.arange(10), 5)
+    y = np.tile([0, 1, 0, 0, 0], 10).astype(np.float32)
+    fit = fit_data(np.zeros((50, 2), np.float32), y, groups, "balanced", 0.3, seed=0)
+    assert len(fit.y_stop) == 15 and len(fit.y) == 35
+    assert fit.logit_offset == pytest.approx(np.log(4))  # 1 positive in 5: odds shifted 4x
+
+
+def test_soft_labels_and_a_search_with_nested_runs(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    make_collect(tmp_path / "collect", prompts={"train": 10, "val": 4}, rounds=10)
+    params = params_for(tmp_path, label="soft", families=["logistic"], search_trials=2)
+    train.run(params)
+    metrics = json.loads((tmp_path / "metrics" / "train.json").read_text())
+    assert metrics["logistic"]["simulated_speedup"] > 0 and "first_rejection_speedup" \
+        not in metrics["oracle"]
+    runs = mlflow.MlflowClient(params["train"]["tracking_uri"]).search_runs(["1"])
+    parent = next(r.info.run_id for r in runs if r.info.run_name == "logistic")
+    trials = [r for r in runs if r.info.run_name.startswith("logistic-trial-")]
+    assert len(trials) == 2 and all(r.data.tags["mlflow.parentRunId"] == parent for r in trials)
+
+
+def rewrite(folder, change) -> None:
+    """Apply `change(dict of columns)` to the train part."""
+    path = folder / "parts" / "train-00000.parquet"
+    columns = read_parts(folder).to_pydict()
+    keep = [i for i, s in enumerate(columns["split"]) if s == "train"]
+    columns = {k: [v[i] for i in keep] for k, v in columns.items()}
+    change(columns)
+    write_part(pa.table(columns, schema=ROW_SCHEMA), path)
+
+
+def test_bad_inputs_give_one_line_errors(tmp_path):
+    with pytest.raises(DataError, match="no logged parts"):
+        data.load(tmp_path / "missing")
+    folder = make_collect(tmp_path / "collect", prompts={"train": 3, "val": 2}, rounds=3)
+    rewrite(folder, lambda c: c.update(label=[0 if v == 1 else v for v in c["label"]]))
+    with pytest.raises(DataError, match="split 'train' has one class only"):
+        data.load(folder)
+    with pytest.raises(SpecstopError, match="one class only"):
+        train.run(params_for(tmp_path, families=["logistic"]))
+    rewrite(folder, lambda c: c.update(prompt_id=["val-0"] * len(c["prompt_id"])))
+    with pytest.raises(DataError, match="prompt 'val-0' is in more than one split"):
+        data.load(folder)
+    for part in (folder / "parts").glob("*.parquet"):
+        write_part(pa.table({n: [] for n in ROW_SCHEMA.names}, schema=ROW_SCHEMA), part)
+    with pytest.raises(DataError, match="hold no rows"):
+        data.load(folder)
+    with pytest.raises(SpecstopError, match="unknown key"):
+        train.run({"train": {"lerning_rate": 1}})
+
+
+def test_rounds_with_nan_features_are_dropped_and_counted(tmp_path):
+    folder = make_collect(tmp_path / "collect", prompts={"train": 3, "val": 2}, rounds=3)
+    before = data.load(folder)
+
+    def poison(columns):
+        columns["q_token"][0] = float("nan")  # round 0 of the first prompt
+
+    rewrite(folder, poison)
+    after = data.load(folder)
+    assert after.dropped_rounds == 1
+    assert len(after.train.rows) == len(before.train.rows) - 12  # 3 candidates x 4 levels
