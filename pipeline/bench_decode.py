@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+from tqdm import tqdm
 
-from specstop.decoder.loop import DecodeConfig, DecodeStats
+from specstop.decoder.loop import DecodeConfig, DecodeStats, Generation
 from specstop.decoder.policy import StoppingPolicy
 from specstop.decoder.quality import extract_code, humaneval_passed, mean_target_logprob
 from specstop.decoder.runtime import Runtime
@@ -14,17 +16,39 @@ from specstop.decoder.runtime import Runtime
 from .prompt_sources import humaneval_request
 
 
+@dataclass(frozen=True)
+class Method:
+    """A named way to decode one prompt: decode(prompt [L], seed) -> Generation."""
+
+    name: str
+    decode: Callable[[torch.Tensor, int], Generation]
+    warm_up: bool = False  # decode once before the timed runs (the first method always is)
+
+
+def decoder_method(runtime: Runtime, config: DecodeConfig, policy: StoppingPolicy | None,
+                   name: str | None = None) -> Method:
+    """specstop's loop with a config and a stopping policy."""
+    label = name or config.method + (" --lossy" if config.lossy else "")
+    return Method(label, lambda prompt, seed: runtime.generate(prompt, config, policy, seed))
+
+
 @dataclass
 class MethodResult:
     method: str
     stats: DecodeStats  # summed over prompts
-    identical_to_ar: int = 0  # prompts whose output equals ar's
-    logprob_sum: float = 0.0  # sum over prompts of the mean target log-probability per token
-    passed: int = 0  # HumanEval problems solved (only with --execute-code)
+    per_prompt: list[DecodeStats] = field(default_factory=list)
+    identical: list[bool] = field(default_factory=list)  # output equals the first method's
+    logprobs: list[float] = field(default_factory=list)  # mean target log-prob per token
     outputs: list[list[int]] = field(default_factory=list)
+    accepted_per_round: list[int] = field(default_factory=list)
+    passed: int = 0  # HumanEval problems solved (only with --execute-code)
+
+    @property
+    def identical_to_ar(self) -> int:
+        return sum(self.identical)
 
     def mean_logprob(self, n_prompts: int) -> float:
-        return self.logprob_sum / max(n_prompts, 1)
+        return sum(self.logprobs) / max(n_prompts, 1)
 
 
 def humaneval_problems(n: int) -> list[dict]:
@@ -39,24 +63,38 @@ def humaneval_prompts(n: int) -> list[str]:
 
 
 def bench(runtime: Runtime, prompts: list[torch.Tensor], configs: list[DecodeConfig],
-          policy: StoppingPolicy, seed: int) -> list[MethodResult]:
-    """Run every config on every prompt, interleaved so drift hits all methods alike; then
-    score every output under the target (outside the timed decode)."""
-    results = [MethodResult(c.method + (" --lossy" if c.lossy else ""), DecodeStats())
-               for c in configs]
-    runtime.generate(prompts[0], configs[0], policy, seed)  # warm-up
+          policy: StoppingPolicy | None, seed: int) -> list[MethodResult]:
+    """Every config of specstop's loop under one stopping policy (`bench_methods`)."""
+    return bench_methods(runtime, prompts, [decoder_method(runtime, c, policy) for c in configs],
+                         seed)
+
+
+def bench_methods(runtime: Runtime, prompts: list[torch.Tensor], methods: list[Method],
+                  seed: int, progress: str | None = None) -> list[MethodResult]:
+    """Run every method on every prompt, interleaved so drift hits all methods alike (the
+    first method, `ar`, is the reference of `identical`); then score every output under the
+    target (outside the timed decode).  `progress`: a tqdm bar's label."""
+    results = [MethodResult(m.name, DecodeStats()) for m in methods]
+    for i, method in enumerate(methods):
+        if i == 0 or method.warm_up:
+            method.decode(prompts[0], seed)
+    bar = tqdm(total=len(prompts) * len(methods), desc=progress, unit="run",
+               disable=progress is None)
     for prompt in prompts:
         reference = None
-        for config, result in zip(configs, results):
-            generation = runtime.generate(prompt, config, policy, seed)
-            if config.method == "ar":
-                reference = generation.tokens
-            result.identical_to_ar += int(generation.tokens == reference)
+        for method, result in zip(methods, results):
+            generation = method.decode(prompt, seed)
+            reference = generation.tokens if reference is None else reference
+            result.identical.append(generation.tokens == reference)
             result.outputs.append(generation.tokens)
+            result.per_prompt.append(generation.stats)
+            result.accepted_per_round += generation.stats.accepted_per_round
             result.stats.add(generation.stats)
+            bar.update(1)
+    bar.close()
     for result in results:
-        for prompt, tokens in zip(prompts, result.outputs):
-            result.logprob_sum += mean_target_logprob(runtime.target, prompt, tokens)
+        result.logprobs = [mean_target_logprob(runtime.target, prompt, tokens)
+                           for prompt, tokens in zip(prompts, result.outputs)]
     return results
 
 

@@ -33,7 +33,11 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("prepare", help="stage: convert the embedded target, measure verify costs")
     sub.add_parser("prompts", help="stage: read, de-duplicate and split the prompt sources")
+    sub.add_parser("draft", help="stage: build, distil and compare drafts; keep the fastest")
     sub.add_parser("collect", help="stage: log draft features and acceptance (torchrun-able)")
+    sub.add_parser("train", help="stage: train and compare early-stop decision models (MLflow)")
+    sub.add_parser("export", help="stage: every decision model to TorchScript; register the winner")
+    sub.add_parser("bench", help="stage: every method and decision model on the test prompts")
 
     gen = sub.add_parser("generate", help="decode one prompt and print the text")
     gen.add_argument("--method", default=None, help=f"one of {', '.join(METHODS)}")
@@ -68,10 +72,26 @@ def main(argv: list[str] | None = None) -> int:
             from . import prompts
 
             prompts.run(params)
+        elif args.command == "draft":
+            from . import draft
+
+            draft.run(params)
         elif args.command == "collect":
             from . import collect
 
             collect.run(params)
+        elif args.command == "train":
+            from . import train
+
+            train.run(params)
+        elif args.command == "export":
+            from . import export
+
+            export.run(params)
+        elif args.command == "bench":
+            from . import bench
+
+            bench.run(params)
         elif args.command == "generate":
             _generate(args, params)
         elif args.command == "bench-decode":
@@ -89,6 +109,7 @@ def _quiet_transformers() -> None:
 
 
 def _generate(args: argparse.Namespace, params: dict) -> None:
+    from specstop.decoder.stop_model import LearnedPolicy
     from .decode_args import decode_config, merged, runtime_from, seed_from, stopping_policy
 
     _quiet_transformers()
@@ -101,6 +122,8 @@ def _generate(args: argparse.Namespace, params: dict) -> None:
     prompt = runtime.encode(args.prompt, chat=not args.no_chat)
     generation = runtime.generate(prompt, config, policy, seed_from(args, decode))
     print(runtime.tokenizer.decode(generation.tokens, skip_special_tokens=True))
+    if isinstance(policy, LearnedPolicy):
+        print(policy.summary())
     print(generation.stats.summary())
 
 

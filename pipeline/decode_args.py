@@ -10,6 +10,7 @@ from specstop.decoder.errors import SpecstopError
 from specstop.decoder.loop import METHODS, DecodeConfig
 from specstop.decoder.policy import ConfidenceThreshold, FixedDepth, StoppingPolicy
 from specstop.decoder.runtime import Runtime, load_runtime, sampling_from
+from specstop.decoder.stop_model import load_stop_model
 
 POLICIES = ("fixed", "confidence")
 
@@ -29,6 +30,8 @@ def add_decode_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=POLICIES, help="stopping policy")
     parser.add_argument("--gamma", type=int, help="draft length of the fixed policy")
     parser.add_argument("--threshold", type=float, help="draft-confidence threshold")
+    parser.add_argument("--stop-model", help="an exported decision model (TorchScript, "
+                        "`specstop export`) as the stopping policy; overrides --policy")
     parser.add_argument("--mcsd-branching", type=int, nargs="+", help="leading mcsd widths")
     parser.add_argument("--ti-width", type=int, help="ti-mcsd branches")
     parser.add_argument("--lossy", action="store_true", default=None,
@@ -77,6 +80,9 @@ def decode_config(args: argparse.Namespace, decode: dict, method: str) -> Decode
 
 
 def stopping_policy(args: argparse.Namespace, decode: dict) -> StoppingPolicy:
+    stop_model = merged(args, decode, "stop_model", None)
+    if stop_model:
+        return load_stop_model(Path(stop_model))
     name = merged(args, decode, "policy", "fixed")
     try:
         if name == "fixed":

@@ -34,3 +34,15 @@ def load_params(path: Path = DEFAULT_PARAMS, required: bool = False) -> dict[str
 def section(params: dict[str, Any], name: str) -> dict[str, Any]:
     """One section of the params (checked to be a mapping by load_params)."""
     return params.get(name, {})
+
+
+def mlflow_settings(params: dict[str, Any], stage: str) -> dict[str, str]:
+    """The shared `mlflow` section as one stage's `tracking_uri` and experiment `<name>-<stage>`
+    (only the keys the section sets)."""
+    mlflow = section(params, "mlflow")
+    out = {}
+    if "tracking_uri" in mlflow:
+        out["tracking_uri"] = str(mlflow["tracking_uri"])
+    if "experiment" in mlflow:
+        out["experiment"] = f"{mlflow['experiment']}-{stage}"
+    return out

@@ -1,0 +1,194 @@
+"""Stage `bench`: every method side by side on the held-out test prompts, greedy and sampling,
+in one process: `ar`; `sd` at its best fixed γ; `mcsd` and `ti-mcsd` static; `ti-mcsd` with the
+confidence threshold and with each exported decision model (the winner from `stop_model.pt`);
+the published lossy `ti-mcsd --lossy` with the winner; transformers' assisted generation with
+the same target and a standalone draft.  Writes metrics/bench.json (`bench_report`), a CSV per
+prompt, plot data and PNGs.
+
+The trees are those the decision models were trained for (params `collect`); static methods
+draft the best fixed γ of the replay (`data/train/summary.json`), `sd` the γ the draft stage
+measured best (`metrics/draft.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+from specstop.decoder.costs import measure_verify_costs
+from specstop.decoder.errors import SpecstopError
+from specstop.decoder.loop import DecodeConfig
+from specstop.decoder.policy import ConfidenceThreshold, FixedDepth
+from specstop.decoder.runtime import Runtime
+from specstop.decoder.stop_model import LearnedPolicy, load_stop_model
+
+from . import bench_report
+from .bench_decode import Method, bench_methods, decoder_method
+from .decode_args import decode_config, runtime_from
+from .export import WINNER_FILE
+from .hf_assisted import hf_method, load_assistant, speculation_settings
+from .params import section
+
+DEFAULT_GAMMA = 4
+PATHS = ("prompt_dir", "export", "train", "train_metrics", "draft_metrics", "metrics", "plots")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """The `bench` section of params.yaml (every key optional)."""
+
+    prompts: int = 8  # test prompts (file order)
+    prompt_dir: Path = Path("data/prompts")
+    max_new_tokens: int = 96
+    temperature: float = 0.7  # the sampling run (greedy always runs)
+    top_p: float = 1.0
+    seed: int = 0
+    export: Path = Path("data/export")
+    train: Path = Path("data/train")
+    train_metrics: Path = Path("metrics/train.json")
+    draft_metrics: Path = Path("metrics/draft.json")
+    assistant_draft: str | None = "data/draft/sweep/compact-l2-v4096"
+    metrics: Path = Path("metrics/bench.json")
+    plots: Path = Path("metrics/bench_plots")
+
+    @classmethod
+    def from_params(cls, values: dict) -> "BenchConfig":
+        unknown = set(values) - {f.name for f in fields(cls)}
+        if unknown:
+            raise SpecstopError(f"params.yaml: unknown key(s) in 'bench': {sorted(unknown)}")
+        return cls(**{k: Path(v) if k in PATHS else v for k, v in values.items()})
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the methods are made of, resolved from the earlier stages' outputs."""
+
+    sd_gamma: int
+    static_gamma: int
+    confidence: float
+    winner: LearnedPolicy
+    lossy_winner: LearnedPolicy
+    families: dict[str, LearnedPolicy]  # the other exported families
+    simulated: dict[str, float]  # method -> simulated speedup on val (greedy)
+
+
+def run(params: dict) -> None:
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # assisted generation's own deprecation notices
+    config = BenchConfig.from_params(section(params, "bench"))
+    models, collect = section(params, "models"), section(params, "collect")
+    runtime = runtime_from(argparse.Namespace(), models, section(params, "costs"),
+                           need_draft=True)
+    prompts, prompt_ids = _test_prompts(runtime, config)
+    plan = _plan(config)
+    assistant, assistant_note = load_assistant(
+        runtime, config.assistant_draft, str(models.get("draft", "layers:2")),
+        Path(models.get("cache_dir", "data/models/target")))
+    if assistant is None:
+        print(f"bench: no transformers assisted-generation peer: {assistant_note}")
+    tree, results = _base_config(config, collect, 0.0), {}
+    for mode, temperature in (("greedy", 0.0), ("sampling", config.temperature)):
+        methods = _methods(runtime, _base_config(config, collect, temperature), plan, assistant)
+        results[mode] = bench_methods(runtime, prompts, methods, config.seed,
+                                      progress=f"bench {mode}")
+    setup = {"prompts": len(prompts), "max_new_tokens": config.max_new_tokens,
+             "temperature": config.temperature, "target": str(models.get("target", "embedded")),
+             "draft": str(models.get("draft", "layers:2")), "dtype": str(runtime.target.dtype),
+             "device": str(runtime.target.device), "threads": torch.get_num_threads(),
+             "ti_width": tree.ti_width, "max_depth": tree.max_depth,
+             "sd_gamma": plan.sd_gamma, "static_gamma": plan.static_gamma,
+             "confidence_threshold": plan.confidence, "winner": plan.winner.meta["family"],
+             "winner_rule": plan.winner.rule,
+             "hf_assisted": ({"assistant": assistant_note, **speculation_settings(assistant)}
+                             if assistant is not None else {"skipped": assistant_note})}
+    latency = _latency(runtime, plan, tree.ti_width)
+    metrics = bench_report.write(results, prompt_ids, setup, latency, plan.simulated,
+                                 config.metrics, config.plots)
+    print(bench_report.table(metrics))
+    print(f"bench: metrics in {config.metrics}, per-prompt CSV and plots in {config.plots}")
+
+
+def _test_prompts(runtime: Runtime, config: BenchConfig) -> tuple[list[torch.Tensor], list[str]]:
+    """The first `prompts` test prompts (already chat-rendered) as ids, and their ids."""
+    path = config.prompt_dir / "test.parquet"
+    if not path.is_file():
+        raise SpecstopError(f"{path}: test prompts not found (run `specstop prompts` first)")
+    table = pq.read_table(path, columns=["prompt_id", "text"]).to_pydict()
+    texts, ids = table["text"][: config.prompts], table["prompt_id"][: config.prompts]
+    if not texts:
+        raise SpecstopError(f"{path}: no test prompt")
+    return [runtime.encode(t, chat=False, special_tokens=False) for t in texts], ids
+
+
+def _plan(config: BenchConfig) -> Plan:
+    summary = _read_json(config.train / "summary.json", "specstop train")
+    train = _read_json(config.train_metrics, "specstop train")
+    draft = _read_json(config.draft_metrics, None) if config.draft_metrics.is_file() else {}
+    static_gamma = int(summary.get("best_fixed_gamma") or DEFAULT_GAMMA)
+    winner = load_stop_model(config.export / WINNER_FILE)
+    family = winner.meta["family"]
+    families = {f: load_stop_model(config.export / f"{f}.pt")
+                for f in summary["families"] if f != family}
+    simulated = {"ti-mcsd": train["fixed"]["simulated_speedup"],
+                 "ti-mcsd+confidence": train["confidence"]["simulated_speedup"],
+                 "ti-mcsd+stop_model": winner.meta["simulated_speedup"],
+                 **{f"ti-mcsd+{f}": p.meta["simulated_speedup"] for f, p in families.items()}}
+    return Plan(sd_gamma=int(draft.get("gamma") or static_gamma), static_gamma=static_gamma,
+                confidence=float(train["confidence"]["parameter"]),
+                winner=winner, lossy_winner=load_stop_model(config.export / WINNER_FILE),
+                families=families, simulated=simulated)
+
+
+def _read_json(path: Path, stage: str | None) -> dict:
+    if not path.is_file():
+        raise SpecstopError(f"{path}: not found (run `{stage}` first)")
+    return json.loads(path.read_text())
+
+
+def _base_config(config: BenchConfig, collect: dict, temperature: float) -> DecodeConfig:
+    """The collect stage's trees with the bench's budget and sampling."""
+    options = {**collect, "max_new_tokens": config.max_new_tokens, "temperature": temperature,
+               "top_p": config.top_p, "lossy": False}
+    return decode_config(argparse.Namespace(), options, "ar")
+
+
+def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan,
+             assistant: torch.nn.Module | None) -> list[Method]:
+    def cfg(method: str, **changes) -> DecodeConfig:
+        return dataclasses.replace(base, method=method, **changes)
+
+    ti = cfg("ti-mcsd")
+    methods = [
+        decoder_method(runtime, base, None, "ar"),
+        decoder_method(runtime, cfg("sd", max_depth=max(base.max_depth, plan.sd_gamma)),
+                       FixedDepth(plan.sd_gamma), "sd"),
+        decoder_method(runtime, cfg("mcsd"), FixedDepth(plan.static_gamma), "mcsd"),
+        decoder_method(runtime, ti, FixedDepth(plan.static_gamma), "ti-mcsd"),
+        decoder_method(runtime, ti, ConfidenceThreshold(plan.confidence), "ti-mcsd+confidence"),
+        *[decoder_method(runtime, ti, p, f"ti-mcsd+{f}") for f, p in plan.families.items()],
+        decoder_method(runtime, ti, plan.winner, "ti-mcsd+stop_model"),
+        decoder_method(runtime, cfg("ti-mcsd", lossy=True), plan.lossy_winner,
+                       "ti-mcsd-lossy+stop_model"),
+    ]
+    if assistant is not None:
+        methods.append(hf_method(runtime, assistant, base))
+    return methods
+
+
+def _latency(runtime: Runtime, plan: Plan, width: int) -> dict:
+    """A draft step (1 and `width` tokens, median after a context of up to 200 tokens) beside
+    each decision model's mean time per decision during the runs."""
+    draft = measure_verify_costs(runtime.drafter.lm, "draft", [width],
+                                 context=min(200, runtime.context_limit // 2), repeats=10)
+    policies = {"stop_model": plan.winner, **plan.families}
+    return {"draft_step_ms": {str(n): s * 1e3 for n, s in draft.seconds.items()},
+            "decision_ms": {name: p.seconds / max(p.calls, 1) * 1e3
+                            for name, p in policies.items()},
+            "decisions": {name: p.calls for name, p in policies.items()}}

@@ -1,0 +1,185 @@
+"""Stage `export` and the TorchScript stopping policy: round trip of every family, metadata,
+MLflow registration, one-line errors, the rules' semantics against the simulator, and
+`specstop generate --stop-model` on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from specstop.decoder.errors import SpecstopError
+from specstop.decoder.stop_model import LearnedPolicy, load_stop_model, read_stop_model
+from specstop.features import FEATURES, SCHEMA_VERSION, feature_index
+from specstop.models import experiment, rules
+from specstop.models.simulate import CostModel, Replay
+from specstop.pipeline.export import ExportConfig, export
+
+from stop_models import linear_module, metadata, write_stop_model
+from synthetic_rows import make_collect
+from test_cli import SUMMARY, run_specstop
+from test_train import params_for
+
+DEPTH, Q_TOKEN = feature_index("depth"), feature_index("q_token")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """Synthetic rows -> stage train (every family) -> stage export, in a temp folder."""
+    folder = tmp_path_factory.mktemp("export")
+    make_collect(folder / "collect", prompts={"train": 16, "val": 6}, rounds=12)
+    params = params_for(folder)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(folder)
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        report = experiment.run(experiment.TrainConfig.from_params(params["train"]))
+        config = ExportConfig(train=folder / "train", data=folder / "collect",
+                              out=folder / "export", metrics=folder / "metrics" / "export.json",
+                              tracking_uri=params["train"]["tracking_uri"])
+        metrics = export(config)
+    return config, report, metrics
+
+
+def test_every_family_predicts_as_trained(exported):
+    config, report, metrics = exported
+    X = report.bench.X
+    for family in ("logistic", "lightgbm", "mlp"):
+        module, meta = read_stop_model(config.out / f"{family}.pt")
+        with torch.inference_mode():
+            p = module(torch.tensor(X)).double().numpy()
+        assert np.max(np.abs(p - report.entries[family].model.predict_proba(X))) <= 1e-5, family
+        assert metrics["families"][family]["max_abs_diff"] <= 1e-5
+        assert metrics["families"][family]["decision_latency_ms"] > 0
+
+
+def test_files_carry_their_metadata(exported):
+    config, report, metrics = exported
+    summary = json.loads((config.train / "summary.json").read_text())
+    for family in ("logistic", "lightgbm", "mlp"):
+        _, meta = read_stop_model(config.out / f"{family}.pt")
+        entry = summary["families"][family]
+        assert meta["features"] == [f.name for f in FEATURES]
+        assert meta["feature_schema_version"] == SCHEMA_VERSION
+        assert (meta["family"], meta["rule"], meta["threshold"], meta["rho"]) == \
+            (family, entry["rule"], entry["threshold"], entry["rho"])
+        assert meta["marginal_cost"] == entry["marginal_cost"]
+        assert meta["dataset_digest"] == summary["dataset_digest"]
+        assert meta["mlflow_run_id"] == entry["run_id"]
+
+
+def test_the_winner_is_copied_and_registered(exported):
+    import mlflow
+
+    config, report, metrics = exported
+    winner = metrics["winner"]
+    speed = {f: m["simulated_speedup"] for f, m in metrics["families"].items()}
+    assert speed[winner] == max(speed.values())
+    assert (config.out / "stop_model.pt").read_bytes() == (config.out / f"{winner}.pt").read_bytes()
+    assert json.loads(config.metrics.read_text())["winner"] == winner
+    client = mlflow.MlflowClient(config.tracking_uri)
+    version = client.get_model_version(config.registered_model, str(metrics["model_version"]))
+    assert version.run_id == read_stop_model(config.out / "stop_model.pt")[1]["mlflow_run_id"]
+    loaded = mlflow.pytorch.load_model(f"models:/{config.registered_model}/"
+                                       f"{metrics['model_version']}")
+    x = torch.tensor(report.bench.X[:5])
+    assert torch.allclose(loaded(x), read_stop_model(config.out / "stop_model.pt")[0](x))
+
+
+@pytest.mark.parametrize("case", ["missing", "garbage", "no-metadata", "schema-version",
+                                  "feature-list"])
+def test_bad_files_give_one_line_errors(tmp_path, case):
+    path = tmp_path / "model.pt"
+    if case == "garbage":
+        path.write_text("not a model")
+    elif case == "no-metadata":
+        torch.jit.save(linear_module({"q_token": 1.0}), str(path))
+    elif case == "schema-version":
+        write_stop_model(path, feature_schema_version=SCHEMA_VERSION + 1)
+    elif case == "feature-list":
+        names = [f.name for f in FEATURES]
+        names[3], names[4] = names[4], names[3]
+        write_stop_model(path, features=names)
+    expected = {"missing": "stop model not found", "garbage": "not a TorchScript stop model",
+                "no-metadata": "no specstop.json metadata", "schema-version": "schema version",
+                "feature-list": "column 3"}[case]
+    with pytest.raises(SpecstopError, match=expected) as err:
+        load_stop_model(path)
+    assert len(str(err.value).splitlines()) == 1 and str(path) in str(err.value)
+
+
+def level_features(p: list[float], depth: int) -> torch.Tensor:
+    """[n, F] with q_token = p (the hand-made model's input) at a depth."""
+    x = torch.zeros(len(p), len(FEATURES))
+    x[:, Q_TOKEN] = torch.tensor(p)
+    x[:, DEPTH] = depth
+    return x
+
+
+def identity_policy(**meta) -> LearnedPolicy:
+    """A policy whose P(accept) is the q_token column (sigmoid(logit(q)))."""
+
+    class QToken(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[:, 0]  # Q_TOKEN
+
+    assert Q_TOKEN == 0
+
+    return LearnedPolicy(torch.jit.script(QToken()), metadata(**meta))
+
+
+def test_threshold_rule_continues_above_t():
+    policy = identity_policy(threshold=0.5)
+    go_on = policy(level_features([0.2, 0.5, 0.9], 1), torch.zeros(3, dtype=torch.long))
+    assert go_on.tolist() == [False, False, True] and go_on.dtype == torch.bool
+
+
+def test_cost_aware_rule_matches_the_simulator():
+    """Two ti-mcsd rounds (3 branches, 3 levels): the runtime's per-node decisions, fed level by
+    level with parents as the decode loop passes them, equal models.rules' replay scores."""
+    p_rounds = [[[0.9, 0.5, 0.2], [0.8, 0.9, 0.7], [0.6, 0.9, 0.99]],
+                [[0.3, 0.95, 0.6], [0.9, 0.4, 0.9], [0.7, 0.8, 0.5]]]
+    rows = [{"prompt_id": "a", "round": r, "depth": d + 1, "node": 1 + 3 * d + b,
+             "parent": 0 if d == 0 else 1 + 3 * (d - 1) + b, "label": -1, "p": level[b]}
+            for r, levels in enumerate(p_rounds) for d, level in enumerate(levels)
+            for b in range(3)]
+    frame = pd.DataFrame(rows)
+    replay = Replay.from_rows(frame, "hard")
+    costs = CostModel((1, 4, 7, 10), {1: 0.04, 4: 0.041, 7: 0.043, 10: 0.046},
+                      {1: 0.005, 3: 0.006}, 1e-5)
+    p = frame["p"].to_numpy()
+    rho = 0.45
+    expected = rules.cost_aware_score(replay, costs, p) > rho
+    policy = identity_policy(rule="cost_aware", rho=rho,
+                             marginal_cost=costs.marginal_cost()[1:-1].tolist())
+    got = []
+    for levels in p_rounds:
+        for d, level in enumerate(levels):
+            parents = torch.zeros(3, dtype=torch.long) if d == 0 else torch.arange(3)
+            got += policy(level_features(level, d + 1).double(), parents).tolist()
+    assert got == expected.tolist() and any(got) and not all(got)
+
+
+def test_cost_aware_rule_follows_parents_within_a_level():
+    policy = identity_policy(rule="cost_aware", rho=1.0, marginal_cost=[1.0, 1.0, 1.0])
+    policy(level_features([1.0, 0.5, 0.25], 1), torch.zeros(3, dtype=torch.long))
+    policy(level_features([1.0, 1.0, 1.0], 2), torch.tensor([2, 0, 1]))
+    assert torch.allclose(policy._product, torch.tensor([0.25, 1.0, 0.5], dtype=torch.float64))
+    policy(level_features([1.0], 1), torch.zeros(1, dtype=torch.long))  # a new round: reset
+    assert policy._product.tolist() == [1.0]
+
+
+def test_generate_with_a_stop_model(tmp_path, tiny_model_dir):
+    good = write_stop_model(tmp_path / "stop_model.pt")
+    bad = write_stop_model(tmp_path / "old.pt", feature_schema_version=SCHEMA_VERSION - 1)
+    argv = ["generate", "--target", str(tiny_model_dir), "--draft", str(tiny_model_dir),
+            "--dtype", "float32", "--max-new-tokens", "8", "--prompt", "hi"]
+    result = run_specstop([*argv, "--stop-model", str(good)], tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert SUMMARY.fullmatch(lines[-1]) and lines[-2].startswith("stop model: logistic")
+    result = run_specstop([*argv, "--stop-model", str(bad)], tmp_path)
+    assert result.returncode != 0 and len(result.stderr.splitlines()) == 1
+    assert "feature schema version" in result.stderr
