@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -12,6 +13,17 @@ from specstop.decoder.errors import SpecstopError
 from specstop.decoder.loop import DecodeConfig
 
 from .params import DEFAULT_PARAMS, load_params, section
+
+
+STAGES = {  # DVC stages, in pipeline order; each is the module pipeline/<name>.py
+    "prepare": "convert the embedded target, measure verify costs",
+    "prompts": "read, de-duplicate and split the prompt sources",
+    "draft": "build, distil and compare drafts; keep the fastest",
+    "collect": "log draft features and acceptance (torchrun-able)",
+    "train": "train and compare early-stop decision models (MLflow)",
+    "export": "every decision model to TorchScript; register the winner",
+    "bench": "every method and decision model on the test prompts",
+}
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -31,13 +43,8 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"params file (default: {DEFAULT_PARAMS} if present)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
 
-    sub.add_parser("prepare", help="stage: convert the embedded target, measure verify costs")
-    sub.add_parser("prompts", help="stage: read, de-duplicate and split the prompt sources")
-    sub.add_parser("draft", help="stage: build, distil and compare drafts; keep the fastest")
-    sub.add_parser("collect", help="stage: log draft features and acceptance (torchrun-able)")
-    sub.add_parser("train", help="stage: train and compare early-stop decision models (MLflow)")
-    sub.add_parser("export", help="stage: every decision model to TorchScript; register the winner")
-    sub.add_parser("bench", help="stage: every method and decision model on the test prompts")
+    for stage, text in STAGES.items():
+        sub.add_parser(stage, help=f"stage: {text}")
 
     gen = sub.add_parser("generate", help="decode one prompt and print the text")
     gen.add_argument("--method", default=None, help=f"one of {', '.join(METHODS)}")
@@ -64,34 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         params = load_params(args.params or DEFAULT_PARAMS, required=args.params is not None)
-        if args.command == "prepare":
-            from . import prepare
-
-            prepare.run(params)
-        elif args.command == "prompts":
-            from . import prompts
-
-            prompts.run(params)
-        elif args.command == "draft":
-            from . import draft
-
-            draft.run(params)
-        elif args.command == "collect":
-            from . import collect
-
-            collect.run(params)
-        elif args.command == "train":
-            from . import train
-
-            train.run(params)
-        elif args.command == "export":
-            from . import export
-
-            export.run(params)
-        elif args.command == "bench":
-            from . import bench
-
-            bench.run(params)
+        if args.command in STAGES:  # each stage is the module of its name: run(params)
+            importlib.import_module(f".{args.command}", __package__).run(params)
         elif args.command == "generate":
             _generate(args, params)
         elif args.command == "bench-decode":
