@@ -213,8 +213,8 @@ def generate(
                 features.append(level_features)
                 depth += 1
                 stats.draft_steps += 1
-                parents = tree.parent[tree.level(depth)] - tree.level_start[depth - 1]
-                if not bool(policy(level_features, parents.to(r.device)).any()):
+                parents = tree.parent_row[tree.level(depth)].to(r.device)
+                if not bool(policy(level_features, parents).any()):
                     break
 
         # 3. Score: one target pass over the tree cut at `depth`, under the sliced mask,

@@ -18,6 +18,7 @@ class Tree:
     roots: int
     branching: tuple[int, ...]  # children per node at levels 1..max_depth
     parent: torch.Tensor = field(init=False, repr=False)  # [N] long, -1 for roots
+    parent_row: torch.Tensor = field(init=False, repr=False)  # [N] parent's row in its level
     depth: torch.Tensor = field(init=False, repr=False)  # [N] long
     rank: torch.Tensor = field(init=False, repr=False)  # [N] long, index among siblings
     root: torch.Tensor = field(init=False, repr=False)  # [N] long, the level-0 ancestor
@@ -36,11 +37,13 @@ class Tree:
             starts.append(starts[-1] + n)
         total = starts[-1]
         parent = torch.full((total,), -1, dtype=torch.long)
+        parent_row = torch.full((total,), -1, dtype=torch.long)
         depth = torch.zeros(total, dtype=torch.long)
         rank = torch.arange(total)  # roots: their own index
         root = torch.arange(total)
         for d, k in enumerate(self.branching, start=1):
             j = torch.arange(sizes[d])
+            parent_row[starts[d] : starts[d + 1]] = j // k
             parent[starts[d] : starts[d + 1]] = starts[d - 1] + j // k
             depth[starts[d] : starts[d + 1]] = d
             rank[starts[d] : starts[d + 1]] = j % k
@@ -49,8 +52,9 @@ class Tree:
         for i in range(starts[1], total):  # parents come first: copy the parent's row
             mask[i] |= mask[parent[i]]
         branch = _branches(self.roots, starts, parent, root)
-        for name, value in [("branch", branch), ("parent", parent), ("depth", depth), ("rank", rank),
-                            ("root", root), ("level_start", tuple(starts)), ("mask", mask)]:
+        for name, value in [("branch", branch), ("parent", parent), ("parent_row", parent_row),
+                            ("depth", depth), ("rank", rank), ("root", root),
+                            ("level_start", tuple(starts)), ("mask", mask)]:
             object.__setattr__(self, name, value)
 
     @property

@@ -57,12 +57,11 @@ class DraftDistiller(pl.LightningModule):
                                          batch["mask"])
         parts = {}
         if self.family == "feature":
-            logits, response, top_ids, top_probs, mask = self._unrolled(batch, parts)
+            logq, response, top_ids = self._unrolled(batch, parts)
         else:
-            logits = self.draft(input_ids=ids).logits
+            logq = torch.log_softmax(self.draft(input_ids=ids).logits.float(), dim=-1)
             response = batch["response"]
-        logq = torch.log_softmax(logits.float(), dim=-1)
-        parts.setdefault("kl_loss", self._cross_entropy(logq, top_ids, top_probs, mask))
+            parts["kl_loss"] = self._cross_entropy(logq, top_ids, top_probs, mask)
         loss = parts["kl_loss"] + self.config.feature_loss_weight * parts.get(
             "feature_loss", torch.zeros((), device=logq.device))
         agree = (self.to_full[logq.argmax(-1)] == top_ids[..., 0].long()).float()
@@ -76,11 +75,13 @@ class DraftDistiller(pl.LightningModule):
         ce = -(top_probs.float() * picked * (pruned >= 0)).sum(-1)
         return _masked_mean(ce, mask)
 
-    def _unrolled(self, batch: dict, parts: dict) -> tuple[torch.Tensor, ...]:
+    def _unrolled(self, batch: dict, parts: dict) -> tuple[torch.Tensor, torch.Tensor,
+                                                            torch.Tensor]:
         """The head over the sequence with the target's features, then `unroll - 1` more passes
         where each position reads the head's own prediction of its predecessor's feature (what
-        deeper draft levels see).  Losses are averaged over the passes; the first pass's logits
-        (level-0 agreement) are returned."""
+        deeper draft levels see).  Losses are averaged over the passes; returns the first pass's
+        log-probabilities (level-0 agreement) with the response mask and teacher ids they align
+        with."""
         ids, feats = batch["ids"], batch["hidden"].float()
         top_ids, top_probs, mask = batch["top_ids"][:, 1:], batch["top_probs"][:, 1:], \
             batch["mask"][:, 1:]
@@ -92,14 +93,14 @@ class DraftDistiller(pl.LightningModule):
         for _ in range(max(self.config.unroll, 1)):
             out = self.draft(input_ids=ids[:, 1:], features=inputs, position_ids=positions)
             predicted = out.hidden_states[-1]
-            first = out.logits if first is None else first
             logq = torch.log_softmax(out.logits.float(), dim=-1)
+            first = logq if first is None else first
             kl.append(self._cross_entropy(logq, top_ids, top_probs, mask))
             error = F.smooth_l1_loss(predicted.float(), feats[:, 1:], reduction="none").mean(-1)
             feature.append(_masked_mean(error, mask))
             inputs = torch.cat([inputs[:, :1], predicted[:, :-1].float()], dim=1)
         parts["kl_loss"], parts["feature_loss"] = torch.stack(kl).mean(), torch.stack(feature).mean()
-        return first, batch["response"][:, 1:], top_ids, top_probs, mask
+        return first, batch["response"][:, 1:], top_ids
 
     def training_step(self, batch: dict, _: int) -> torch.Tensor:
         loss, alpha, parts = self(batch)

@@ -73,3 +73,11 @@ def test_bad_widths_are_refused():
         Tree(1, (2, 0))
     with pytest.raises(ValueError):
         Tree(0, (1,))
+
+
+def test_parent_row_indexes_the_parent_within_its_level():
+    tree = Tree(2, (3, 2, 1))
+    for node in range(tree.roots, tree.size(tree.max_depth)):
+        d = int(tree.depth[node])
+        assert tree.level_start[d - 1] + int(tree.parent_row[node]) == int(tree.parent[node])
+    assert (tree.parent_row[: tree.roots] == -1).all()
