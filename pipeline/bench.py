@@ -15,10 +15,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 
 from specstop.decoder.costs import measure_verify_costs
@@ -33,10 +32,10 @@ from .bench_decode import Method, bench_methods, decoder_method
 from .decode_args import decode_config, runtime_from
 from .export import WINNER_FILE
 from .hf_assisted import hf_method, load_assistant, speculation_settings
-from .params import section
+from .params import config_from, section
+from .prompt_splits import read_split
 
 DEFAULT_GAMMA = 4
-PATHS = ("prompt_dir", "export", "train", "train_metrics", "draft_metrics", "metrics", "plots")
 
 
 @dataclass(frozen=True)
@@ -57,13 +56,6 @@ class BenchConfig:
     metrics: Path = Path("metrics/bench.json")
     plots: Path = Path("metrics/bench_plots")
 
-    @classmethod
-    def from_params(cls, values: dict) -> "BenchConfig":
-        unknown = set(values) - {f.name for f in fields(cls)}
-        if unknown:
-            raise SpecstopError(f"params.yaml: unknown key(s) in 'bench': {sorted(unknown)}")
-        return cls(**{k: Path(v) if k in PATHS else v for k, v in values.items()})
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -82,7 +74,7 @@ def run(params: dict) -> None:
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # assisted generation's own deprecation notices
-    config = BenchConfig.from_params(section(params, "bench"))
+    config = config_from(BenchConfig, section(params, "bench"), "bench")
     models, collect = section(params, "models"), section(params, "collect")
     runtime = runtime_from(argparse.Namespace(), models, section(params, "costs"),
                            need_draft=True)
@@ -117,13 +109,10 @@ def run(params: dict) -> None:
 
 def _test_prompts(runtime: Runtime, config: BenchConfig) -> tuple[list[torch.Tensor], list[str]]:
     """The first `prompts` test prompts (already chat-rendered) as ids, and their ids."""
-    path = config.prompt_dir / "test.parquet"
-    if not path.is_file():
-        raise SpecstopError(f"{path}: test prompts not found (run `specstop prompts` first)")
-    table = pq.read_table(path, columns=["prompt_id", "text"]).to_pydict()
+    table = read_split(config.prompt_dir, "test")
     texts, ids = table["text"][: config.prompts], table["prompt_id"][: config.prompts]
     if not texts:
-        raise SpecstopError(f"{path}: no test prompt")
+        raise SpecstopError(f"{config.prompt_dir / 'test.parquet'}: no test prompt")
     return [runtime.encode(t, chat=False, special_tokens=False) for t in texts], ids
 
 

@@ -17,11 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
-from specstop.decoder.errors import SpecstopError
 from specstop.decoder.files import write_json
 from specstop.decoder.loop import DecodeConfig, DecodeStats
 from specstop.decoder.policy import FixedDepth
@@ -30,6 +28,7 @@ from specstop.features.dataset import RoundLogger, read_parts, write_part, write
 
 from . import cost_model
 from .decode_args import decode_config
+from .prompt_splits import read_split
 from .params import section
 
 
@@ -46,10 +45,7 @@ def plan_parts(prompts_dir: Path, splits: list[str], part_size: int,
     """Cut each split's prompts (file order) into parts of `part_size`."""
     parts = []
     for split in splits:
-        path = prompts_dir / f"{split}.parquet"
-        if not path.is_file():
-            raise SpecstopError(f"{path}: prompts not found (run `specstop prompts` first)")
-        table = pq.read_table(path, columns=["prompt_id", "text"]).to_pydict()
+        table = read_split(prompts_dir, split)
         ids, texts = table["prompt_id"][:max_prompts], table["text"][:max_prompts]
         for start in range(0, len(ids), part_size):
             parts.append(Part(f"{split}-{start // part_size:05d}", split,

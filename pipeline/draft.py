@@ -19,7 +19,6 @@ import shutil
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 
 from specstop.decoder.costs import VerifyCosts, measure_verify_costs
@@ -36,6 +35,7 @@ from specstop.models.tracking import tracking_uri
 
 from .bench_decode import bench
 from .params import mlflow_settings, section
+from .prompt_splits import read_split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,13 +108,6 @@ def _specs(raw: list) -> list[DraftSpec]:
     return specs
 
 
-def _prompts(prompts_dir: Path, split: str) -> list[str]:
-    path = prompts_dir / f"{split}.parquet"
-    if not path.is_file():
-        raise SpecstopError(f"{path}: prompts not found (run `specstop prompts` first)")
-    return pq.read_table(path, columns=["text"]).column("text").to_pylist()
-
-
 def _corpora(cfg: dict, target_name: str, dtype: torch.dtype, device: torch.device,
              cache_dir: Path, out: Path, seed: int) -> tuple[list[Sequence], list[Sequence], int]:
     """Train responses (sampled), held-out val responses (greedy), the target's vocabulary."""
@@ -122,10 +115,10 @@ def _corpora(cfg: dict, target_name: str, dtype: torch.dtype, device: torch.devi
     prompts_dir = Path(cfg.get("prompts", "data/prompts"))
     limit = cfg.get("max_prompts")
     target = load_model(target_name, dtype, device, cache_dir)
-    val = build_corpus(target.model, target.tokenizer, _prompts(prompts_dir, "val")[:limit],
+    val = build_corpus(target.model, target.tokenizer, read_split(prompts_dir, "val")["text"][:limit],
                        out / "corpus" / "val", dataclasses.replace(corpus, samples_per_prompt=1),
                        seed, "val responses")
-    train = build_corpus(target.model, target.tokenizer, _prompts(prompts_dir, "train")[:limit],
+    train = build_corpus(target.model, target.tokenizer, read_split(prompts_dir, "train")["text"][:limit],
                          out / "corpus" / "train", corpus, seed, "train responses")
     if not train or not val:
         raise SpecstopError(f"{prompts_dir}: the draft needs train and val prompts")
@@ -206,13 +199,15 @@ def _measure(spec: DraftSpec, folder: Path, target_name: str, cfg: dict, models:
     target_costs = measure_verify_costs(runtime.target, "target", [], repeats=10)
     draft_costs = measure_verify_costs(runtime.drafter.lm, "draft", [], repeats=10)
     c = draft_costs.seconds[1] / target_costs.seconds[1]
-    verify = _verify_costs(Path(cfg.get("verify_costs", "data/costs/verify.json")))
+    verify_path = Path(cfg.get("verify_costs", "data/costs/verify.json"))
+    verify = VerifyCosts.load(verify_path) if verify_path.is_file() else None
     predicted = {g: _predicted_speedup(alpha, c, g, verify) for g in range(1, 9)}
     best_predicted = max(predicted, key=predicted.get)
     evaluation = cfg.get("eval", {})
     gammas = sorted({int(g) for g in evaluation.get("gammas", [1, 2, 3, 4])})
-    prompts = [runtime.encode(t, chat=False, special_tokens=False) for t in _prompts(
-        Path(cfg.get("prompts", "data/prompts")), "val")[: int(evaluation.get("prompts", 6))]]
+    texts = read_split(Path(cfg.get("prompts", "data/prompts")), "val")["text"]
+    prompts = [runtime.encode(t, chat=False, special_tokens=False)
+               for t in texts[: int(evaluation.get("prompts", 6))]]
     tokens = int(evaluation.get("max_new_tokens", 96))
     configs = [DecodeConfig(method="ar", max_new_tokens=tokens)] + [
         DecodeConfig(method="sd", max_new_tokens=tokens, max_depth=g) for g in gammas]
@@ -231,10 +226,6 @@ def _measure(spec: DraftSpec, folder: Path, target_name: str, cfg: dict, models:
             "ar_tokens_per_s": ar, "sd_tokens_per_s": best.stats.tokens_per_s,
             "train_seconds": curve[-1]["train_seconds"] if curve else None,
             "dtype": str(runtime.target.dtype).removeprefix("torch.")}
-
-
-def _verify_costs(path: Path) -> VerifyCosts | None:
-    return VerifyCosts.load(path) if path.is_file() else None
 
 
 def _predicted_speedup(alpha: float, c: float, gamma: int, verify: VerifyCosts | None) -> float:

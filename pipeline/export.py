@@ -13,7 +13,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,7 @@ from specstop.features import feature_index
 from specstop.features.dataset import DataError
 from specstop.models import data, evaluate, scripted, tracking
 
-from .params import mlflow_settings, section
+from .params import config_from, mlflow_settings, section
 
 WINNER_FILE = "stop_model.pt"
 
@@ -46,20 +46,10 @@ class ExportConfig:
     tracking_uri: str = tracking.DEFAULT_URI
     experiment: str = "specstop-train"
 
-    @classmethod
-    def from_params(cls, params: dict) -> "ExportConfig":
-        values = {**mlflow_settings(params, "train"), **section(params, "export")}
-        unknown = set(values) - {f.name for f in fields(cls)}
-        if unknown:
-            raise SpecstopError(f"params.yaml: unknown key(s) in 'export': {sorted(unknown)}")
-        for name in ("train", "data", "out", "metrics"):
-            if name in values:
-                values[name] = Path(values[name])
-        return cls(**values)
-
 
 def run(params: dict) -> None:
-    config = ExportConfig.from_params(params)
+    config = config_from(ExportConfig, {**mlflow_settings(params, "train"),
+                                       **section(params, "export")}, "export")
     start = time.perf_counter()
     metrics = export(config)
     print(table(metrics))

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 from specstop.decoder.errors import SpecstopError
 
 DEFAULT_PARAMS = Path("params.yaml")
+Config = TypeVar("Config")
 
 
 def load_params(path: Path = DEFAULT_PARAMS, required: bool = False) -> dict[str, Any]:
@@ -46,3 +48,14 @@ def mlflow_settings(params: dict[str, Any], stage: str) -> dict[str, str]:
     if "experiment" in mlflow:
         out["experiment"] = f"{mlflow['experiment']}-{stage}"
     return out
+
+
+def config_from(cls: type[Config], values: dict[str, Any], name: str) -> Config:
+    """A stage's config dataclass from its params section: an unknown key is an error naming
+    the section; fields typed `Path` get Paths."""
+    known = {f.name: f for f in fields(cls)}
+    unknown = set(values) - set(known)
+    if unknown:
+        raise SpecstopError(f"params.yaml: unknown key(s) in '{name}': {sorted(unknown)}")
+    return cls(**{k: Path(v) if known[k].type in (Path, "Path") else v
+                  for k, v in values.items()})

@@ -111,6 +111,14 @@ def write_split(rows: list[dict[str, str]], path: Path) -> None:
     write_atomic(path, lambda tmp: pq.write_table(table, tmp))
 
 
+def read_split(prompts_dir: Path, split: str) -> dict[str, list[str]]:
+    """One split's `prompt_id` and `text` (chat-rendered) columns, in file order."""
+    path = Path(prompts_dir) / f"{split}.parquet"
+    if not path.is_file():
+        raise SpecstopError(f"{path}: prompts not found (run `specstop prompts` first)")
+    return pq.read_table(path, columns=["prompt_id", "text"]).to_pydict()
+
+
 def write_summary(summary: dict, path: Path) -> None:
     write_json(path, summary)
 
