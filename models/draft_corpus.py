@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specstop.decoder.files import write_atomic, write_json
+from specstop.decoder.files import remove_temp_files, write_atomic, write_json
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ def build_corpus(model, tokenizer, prompts: list[str], folder: Path, config: Cor
     if not path.is_file() or json.loads(path.read_text()) != recipe:
         shutil.rmtree(folder, ignore_errors=True)
         write_json(path, recipe)
+    remove_temp_files(folder)  # of shards a killed run was writing
     jobs = [(p, s) for p in prompts for s in range(config.samples_per_prompt)]
     batches = [jobs[i:i + config.batch_size] for i in range(0, len(jobs), config.batch_size)]
     sequences: list[Sequence] = []

@@ -3,20 +3,27 @@
 Both families learn the teacher's top-k next-token distribution (cross-entropy over the
 draft's pruned vocabulary); the feature-conditioned head also regresses the target's next
 hidden state (EAGLE's smooth-L1 feature loss), which is what it feeds itself at deeper levels.
-A checkpoint after every validation lets an interrupted run resume; early stopping watches val
-loss and the best weights are kept; metrics go to MLflow.
+A checkpoint after every validation lets an interrupted run resume exactly: the checkpoint holds
+the position in the epoch's batch order and the global RNG states, so a resumed run trains on the
+same batches with the same noise as an uninterrupted one.  Early stopping watches val loss and
+the best weights are kept; metrics go to MLflow.
 """
 
 from __future__ import annotations
 
+import math
 import random
+import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
+from pytorch_lightning.utilities.exceptions import SIGTERMException
+from torch.utils.data import DataLoader, Sampler
 
 from .draft_corpus import Sequence
 
@@ -148,6 +155,70 @@ def collate(sequences: list[Sequence]) -> dict:
     return batch
 
 
+class EpochBatches(Sampler[list[int]]):
+    """Batches of a permutation drawn per epoch from (seed, epoch) alone, from the position
+    (`epoch`, `trained` batches of it) on: a resumed run continues the epoch's order."""
+
+    def __init__(self, size: int, batch_size: int, seed: int) -> None:
+        self.size, self.batch_size, self.seed = size, batch_size, seed
+        self.epoch, self.trained = 0, 0
+
+    def advance(self, trained: int) -> None:
+        """`trained` batches of the epoch are done; after its last one the next epoch starts."""
+        self.epoch, self.trained = ((self.epoch + 1, 0) if trained == len(self)
+                                    else (self.epoch, trained))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.size, generator=generator).tolist()
+        batches = [order[i:i + self.batch_size] for i in range(0, self.size, self.batch_size)]
+        return iter(batches[self.trained:])
+
+    def __len__(self) -> int:
+        return math.ceil(self.size / self.batch_size)
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader over `EpochBatches` whose position Lightning keeps in its checkpoints (it
+    has `state_dict`/`load_state_dict`), so a mid-epoch resume continues the epoch's order."""
+
+    batch_sampler: EpochBatches
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.batch_sampler.epoch, "trained": self.batch_sampler.trained}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batch_sampler.epoch, self.batch_sampler.trained = state["epoch"], state["trained"]
+
+
+class ExactResume(pl.Callback):
+    """Counts the batches trained on in the epoch (the loader's position; Lightning prefetches,
+    so the loader cannot count them itself) and keeps the global RNG states (python, numpy,
+    torch, CUDA: e.g. the feature noise) in every checkpoint."""
+
+    def __init__(self, batches: EpochBatches) -> None:
+        self.batches = batches
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule,
+                           outputs: object, batch: dict, batch_idx: int) -> None:
+        self.batches.advance(batch_idx + 1)
+
+    def state_dict(self) -> dict:
+        legacy = np.random.get_state()
+        return {"python": random.getstate(), "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                "numpy": (legacy[0], torch.from_numpy(legacy[1].astype(np.int64)), *legacy[2:])}
+
+    def load_state_dict(self, state: dict) -> None:
+        version, values, gauss = state["python"]
+        random.setstate((version, tuple(values), gauss))
+        torch.set_rng_state(state["torch"])
+        if state["cuda"]:
+            torch.cuda.set_rng_state_all(state["cuda"])
+        name, key, *rest = state["numpy"]
+        np.random.set_state((name, key.numpy().astype(np.uint32), *rest))
+
+
 class LearningCurve(pl.Callback):
     """Appends (step, training seconds, sequences seen, val loss, val alpha) at each validation
     to a CSV; training seconds survive a resume (Lightning's Timer is checkpointed)."""
@@ -185,15 +256,16 @@ def read_curve(path: Path) -> list[dict]:
 
 def fit(module: DraftDistiller, train: list[Sequence], val: list[Sequence], folder: Path,
         logger: pl.loggers.Logger | None) -> dict:
-    """Train with checkpoint/resume under `folder`; return the final validation metrics."""
+    """Train with checkpoint/resume under `folder`; return the final validation metrics.  On
+    SIGTERM Lightning stops after the current batch; the process then exits with status 143
+    and a re-run resumes from the last checkpoint."""
     config = module.config
     pl.seed_everything(config.seed, verbose=False)
     ckpt_dir = Path(folder) / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    order = list(train)
-    random.Random(config.seed).shuffle(order)
-    loader = DataLoader(order, batch_size=config.batch_size, shuffle=True, collate_fn=collate,
-                        generator=torch.Generator().manual_seed(config.seed))
+    batches = EpochBatches(len(train), config.batch_size, config.seed)
+    loader = ResumableLoader(train, batch_sampler=batches, collate_fn=collate,
+                             generator=torch.Generator())  # iter() leaves the global RNG alone
     val_loader = DataLoader(val, batch_size=config.batch_size, collate_fn=collate)
     steps_per_epoch = len(loader)
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=1,
@@ -202,14 +274,18 @@ def fit(module: DraftDistiller, train: list[Sequence], val: list[Sequence], fold
         max_epochs=config.max_epochs, max_time={"minutes": config.max_minutes},
         accelerator="auto", devices=1, precision=config.precision, logger=logger or False,
         callbacks=[checkpoint, pl.callbacks.EarlyStopping("val_loss", patience=config.patience),
-                   LearningCurve(Path(folder) / "curve.csv")],
+                   LearningCurve(Path(folder) / "curve.csv"), ExactResume(batches)],
         val_check_interval=min(config.val_every_steps, steps_per_epoch),
         check_val_every_n_epoch=None if config.val_every_steps < steps_per_epoch else 1,
         log_every_n_steps=5, enable_model_summary=False, gradient_clip_val=1.0,
         default_root_dir=str(folder))
     last = ckpt_dir / "last.ckpt"
-    trainer.fit(module, loader, val_loader, ckpt_path=str(last) if last.is_file() else None)
-    best = checkpoint.best_model_path
-    if best:
-        module.load_state_dict(torch.load(best, weights_only=False)["state_dict"])
-    return {k: float(v) for k, v in trainer.validate(module, val_loader, verbose=False)[0].items()}
+    try:
+        trainer.fit(module, loader, val_loader, ckpt_path=str(last) if last.is_file() else None)
+        best = checkpoint.best_model_path
+        if best:
+            module.load_state_dict(torch.load(best, weights_only=False)["state_dict"])
+        metrics = trainer.validate(module, val_loader, verbose=False)[0]
+    except SIGTERMException:  # Lightning stops the run with exit status 0: not a success
+        raise SystemExit(128 + signal.SIGTERM) from None
+    return {k: float(v) for k, v in metrics.items()}

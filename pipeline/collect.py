@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specstop.decoder.files import write_json
+from specstop.decoder.files import remove_temp_files, write_json
 from specstop.decoder.loop import DecodeConfig, DecodeStats
 from specstop.decoder.policy import FixedDepth
 from specstop.decoder.runtime import Runtime, load_runtime
@@ -85,6 +85,7 @@ def run(params: dict) -> None:
                        int(collect.get("part_size", 4)), collect.get("max_prompts"))
     if rank == 0:
         _start_over_if_changed(out, _fingerprint(collect, models))
+        remove_temp_files(out)  # of parts a killed run was writing
     _barrier(world)
     mine = [p for i, p in enumerate(parts) if i % world == rank]
     todo = [p for p in mine if not (out / "parts" / f"{p.name}.parquet").is_file()]
