@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from specstop.decoder.errors import SpecstopError, first_line
 from specstop.decoder.files import write_atomic, write_json
 
 from .schema import FEATURES, SCHEMA_VERSION, schema_dict
@@ -39,8 +40,9 @@ ROW_SCHEMA = pa.schema(ID_COLUMNS + [(f.name, pa.float32()) for f in FEATURES] +
                        metadata={"feature_schema_version": str(SCHEMA_VERSION)})
 
 
-class DataError(ValueError):
-    """A logged-data file that is missing, corrupt or of another schema."""
+class DataError(SpecstopError, ValueError):
+    """A logged-data file that is missing, corrupt or of another schema (a SpecstopError: the
+    CLI prints it as one line from any stage)."""
 
 
 class RoundLogger:
@@ -96,15 +98,37 @@ def read_part(path: Path) -> pa.Table:
     except FileNotFoundError:
         raise DataError(f"{path}: file not found")
     except (pa.ArrowException, OSError) as err:
-        raise DataError(f"{path}: corrupt or truncated Parquet file ({err})") from err
-    version = (table.schema.metadata or {}).get(b"feature_schema_version", b"?").decode()
+        raise corrupt(path, err) from err
+    check_schema(path, table.schema)
+    return table
+
+
+def check_part(path: Path) -> None:
+    """One part's footer validated against ROW_SCHEMA, no data read: the cheap check before a
+    streaming read; DataError names the file and the problem."""
+    try:
+        schema = pq.read_schema(path)
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found")
+    except (pa.ArrowException, OSError) as err:
+        raise corrupt(path, err) from err
+    check_schema(path, schema)
+
+
+def corrupt(path: Path, err: Exception) -> DataError:
+    """The DataError of a part that cannot be decoded (one line)."""
+    return DataError(f"{path}: corrupt or truncated Parquet file ({first_line(err)})")
+
+
+def check_schema(path: Path, schema: pa.Schema) -> None:
+    """DataError unless `schema` (with its metadata) is ROW_SCHEMA's."""
+    version = (schema.metadata or {}).get(b"feature_schema_version", b"?").decode()
     if version != str(SCHEMA_VERSION):
         raise DataError(f"{path}: feature schema version {version}, expected {SCHEMA_VERSION}")
-    if table.schema.remove_metadata() != ROW_SCHEMA.remove_metadata():
-        missing = set(ROW_SCHEMA.names) - set(table.schema.names)
+    if schema.remove_metadata() != ROW_SCHEMA.remove_metadata():
+        missing = set(ROW_SCHEMA.names) - set(schema.names)
         raise DataError(f"{path}: columns differ from the row schema"
                         + (f" (missing {sorted(missing)})" if missing else ""))
-    return table
 
 
 def read_parts(folder: Path) -> pa.Table:

@@ -122,6 +122,7 @@ class Report:
 
 def run(config: TrainConfig) -> Report:
     """Train, score, track and save; returns what was written to the metrics file."""
+    tracking.check(tracking.tracking_uri(config.tracking_uri))  # fails fast, before the work
     dataset = data.load(config.data, config.label)
     bench = _bench(dataset, config)
     tracking.start(tracking.tracking_uri(config.tracking_uri), config.experiment)

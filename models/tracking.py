@@ -5,13 +5,26 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
+import tempfile
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
+from urllib.parse import urlsplit
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
+from specstop.decoder.errors import SpecstopError, first_line
+
 DEFAULT_URI = "sqlite:///mlflow.db"
+PROBE_TIMEOUT_S = 3.0  # a tracking server that does not answer /health within this is down
+FIX = "fix `mlflow.tracking_uri` in params.yaml (or MLFLOW_TRACKING_URI, which overrides it)"
+SCHEMES = ("", "file", "sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks",
+           "databricks-uc", "uc")  # the tracking-store schemes MLflow knows
+SQLITE_HEADER = b"SQLite format 3\x00"
 
 
 def tracking_uri(configured: str | None) -> str:
@@ -20,12 +33,80 @@ def tracking_uri(configured: str | None) -> str:
 
 
 def start(uri: str, experiment: str) -> None:
-    """Point MLflow at `uri` and select (creating if needed) the pipeline's experiment."""
+    """Point MLflow at `uri` and select (creating if needed) the pipeline's experiment; a store
+    that cannot be used is a one-line SpecstopError naming the URI, within seconds."""
+    check(uri)
     import mlflow
+    from sqlalchemy.exc import SQLAlchemyError
 
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_experiment(experiment)
+    try:
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment(experiment)
+    except (mlflow.exceptions.MlflowException, SQLAlchemyError, OSError) as err:
+        raise SpecstopError(f"MLflow tracking store {uri}: {first_line(err)}; {FIX}") from err
+
+
+def check(uri: str) -> None:
+    """Fail fast where MLflow would retry for minutes or fail with a traceback: a tracking
+    server that does not answer (http, https), an SQLite file whose folder cannot be created or
+    written, an unknown scheme.  A missing SQLite folder that can be created is fine (MLflow
+    creates it); a server that answers at all, even with an HTTP error, is left to MLflow."""
+    scheme = urlsplit(uri).scheme.lower()
+    if len(scheme) == 1:  # a Windows drive letter: a local path
+        scheme = ""
+    if scheme in ("http", "https"):
+        _probe_server(uri)
+    elif scheme == "sqlite":
+        _check_sqlite(uri)
+    elif scheme.split("+")[0] not in SCHEMES:  # postgresql+psycopg2 is postgresql
+        raise SpecstopError(f"MLflow tracking URI {uri}: unknown scheme '{scheme}' (use "
+                            f"sqlite:///path/to/mlflow.db or http://host:port); {FIX}")
+
+
+def _probe_server(uri: str) -> None:
+    """GET <uri>/health (every `mlflow server` serves it) with a short timeout."""
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=PROBE_TIMEOUT_S):
+            return
+    except urllib.error.HTTPError:
+        return  # something answers (a proxy, auth): MLflow's own call reports what
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        reason = getattr(err, "reason", err)
+        if isinstance(reason, ssl.SSLError):
+            return  # TLS settings (MLFLOW_TRACKING_INSECURE_TLS, ...) are MLflow's business
+        raise SpecstopError(f"MLflow tracking server {uri} is not reachable ({reason or err}); "
+                            f"start it (`mlflow server --host HOST --port PORT`) or {FIX}") from err
+
+
+def _check_sqlite(uri: str) -> None:
+    """The database is an SQLite file (or absent) and its folder exists or can be created, and
+    can be written: otherwise MLflow retries opening it for about two minutes."""
+    path = uri.removeprefix("sqlite:///").split("?")[0] if uri.startswith("sqlite:///") else ""
+    if not path or path == ":memory:":
+        return
+    db, folder = Path(path), Path(path).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SpecstopError(f"MLflow tracking store {uri}: cannot create the folder {folder} "
+                            f"({err.strerror or first_line(err)}); create it or {FIX}") from err
+    try:
+        if db.is_dir():
+            raise SpecstopError(f"MLflow tracking store {uri}: {db} is a folder, not an SQLite "
+                                f"file; {FIX}")
+        if db.exists():
+            with open(db, "r+b") as file:  # opened for writing, nothing written
+                head = file.read(len(SQLITE_HEADER))
+            if head and head != SQLITE_HEADER:
+                raise SpecstopError(f"MLflow tracking store {uri}: {db} is not an SQLite "
+                                    f"database; {FIX}")
+        else:
+            tempfile.TemporaryFile(dir=folder).close()
+    except OSError as err:
+        raise SpecstopError(f"MLflow tracking store {uri}: cannot write "
+                            f"{db if db.exists() else folder} ({err.strerror or first_line(err)}); "
+                            f"make it writable or {FIX}") from err
 
 
 @contextmanager

@@ -31,7 +31,7 @@ from specstop.decoder.models import load_model, resolve_device, resolve_dtype
 from specstop.decoder.runtime import load_runtime
 from specstop.models.draft_corpus import CorpusConfig, Sequence, build_corpus, token_counts
 from specstop.models.draft_train import DraftDistiller, TrainConfig, fit, read_curve
-from specstop.models.tracking import tracking_uri
+from specstop.models.tracking import check, tracking_uri
 
 from .bench_decode import bench
 from .params import mlflow_settings, section
@@ -59,9 +59,10 @@ def run(params: dict) -> None:
     target_name, cache_dir = models.get("target", "embedded"), Path(models.get("cache_dir",
                                                                                "data/models/target"))
     seed = int(cfg.get("seed", 0))
+    tracking = mlflow_settings(params, "draft")
+    check(tracking_uri(tracking.get("tracking_uri")))  # before the corpus, not after
     train, val, vocab = _corpora(cfg, target_name, dtype, device, cache_dir, out, seed)
     counts = token_counts(train, vocab)
-    tracking = mlflow_settings(params, "draft")
 
     train_config = TrainConfig(**cfg.get("train", {}))
     for spec in specs:

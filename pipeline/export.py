@@ -60,6 +60,7 @@ def run(params: dict) -> None:
 
 def export(config: ExportConfig) -> dict:
     """Export, check and time every family; copy and register the winner; write the metrics."""
+    tracking.check(tracking.tracking_uri(config.tracking_uri))  # before the work, not after
     summary = _summary(config.train)
     X = _val_features(config.data, summary)
     level = torch.tensor(X[X[:, feature_index("depth")] == 1][:3])  # one level of ti-mcsd
