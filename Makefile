@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install repro test clean
+.PHONY: install repro smoke test clean
 
 install: $(STAMP)
 
@@ -20,8 +20,14 @@ $(STAMP): pyproject.toml
 repro: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" dvc repro
 
+# the whole DAG on params.yaml's `smoke` profile, in a copy of the project (build/smoke)
+smoke: install
+	rm -rf build/smoke
+	$(VENV)/bin/specstop workspace build/smoke --profile smoke
+	cd build/smoke && PATH="$(CURDIR)/$(VENV)/bin:$$PATH" dvc repro
+
 test: install
 	$(VENV)/bin/pytest -q
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache build

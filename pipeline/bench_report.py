@@ -39,6 +39,7 @@ def write(results: dict[str, list[MethodResult]], prompt_ids: list[str], setup: 
         write_csv(folder / "accepted_length" / f"{mode}.csv",
                         ["method", "accepted", "fraction"], _accepted_rows(entries))
     _figures(metrics, results["greedy"], folder)
+    write_atomic(folder / "results.md", lambda tmp: tmp.write_text(markdown(metrics)))
     return metrics
 
 
@@ -146,6 +147,25 @@ def _save(fig, path: Path) -> None:
     write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120,
                                                      bbox_inches="tight"))
     plt.close(fig)
+
+
+def markdown(metrics: dict) -> str:
+    """The README's results table: greedy and sampling speed of every method vs `ar`."""
+    setup, sampling = metrics["setup"], metrics["sampling"]
+    rows = [f"{setup['prompts']} held-out prompts, {setup['max_new_tokens']} new tokens, "
+            f"{str(setup['dtype']).removeprefix('torch.')} on {setup['device']}; sampling at T={setup['temperature']}.",
+            "",
+            "| method | tok/s | vs `ar` | accepted per target call | acceptance | identical "
+            "to `ar` | sampling: vs `ar` |",
+            "|---|---|---|---|---|---|---|"]
+    for name, m in metrics.items():
+        if name in ("sampling", "setup", "latency", "targets"):
+            continue
+        sampled = f"{sampling[name]['speedup_vs_ar']:.2f}" if name in sampling else "-"
+        rows.append(f"| `{name}` | {m['tokens_per_s']:.2f} | {m['speedup_vs_ar']:.2f} | "
+                    f"{m['mean_accepted']:.2f} | {m['acceptance_rate']:.3f} | "
+                    f"{m['exact_match_vs_ar']:.0%} | {sampled} |")
+    return "\n".join(rows) + "\n"
 
 
 def table(metrics: dict) -> str:

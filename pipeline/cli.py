@@ -53,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     add_model_args(gen)
     add_decode_args(gen)
 
+    work = sub.add_parser("workspace", help="copy the project into DIR with a params profile "
+                                            "applied, to `dvc repro` there (e.g. --profile smoke)")
+    work.add_argument("dir", type=Path, help="a new or empty folder")
+    work.add_argument("--profile", default=None, help="a profile of params.yaml's `profiles`")
+
     bench = sub.add_parser("bench-decode", help="tokens/s of every method side by side")
     bench.add_argument("--methods", nargs="+", default=["ar", "sd", "mcsd", "ti-mcsd", "ti-mcsd-lossy"],
                        help="methods to compare; ti-mcsd-lossy is ti-mcsd --lossy")
@@ -75,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(f".{args.command}", __package__).run(params)
         elif args.command == "generate":
             _generate(args, params)
+        elif args.command == "workspace":
+            _workspace(args, params)
         elif args.command == "bench-decode":
             _bench_decode(args, params)
     except SpecstopError as err:
@@ -106,6 +113,14 @@ def _generate(args: argparse.Namespace, params: dict) -> None:
     if isinstance(policy, LearnedPolicy):
         print(policy.summary())
     print(generation.stats.summary())
+
+
+def _workspace(args: argparse.Namespace, params: dict) -> None:
+    from .workspace import make_workspace
+
+    root = (args.params or DEFAULT_PARAMS).resolve().parent
+    dest = make_workspace(root, args.dir, args.profile, params)
+    print(f"workspace {dest} ({args.profile or 'no'} profile): cd {dest} && dvc repro")
 
 
 def _bench_decode(args: argparse.Namespace, params: dict) -> None:

@@ -39,8 +39,10 @@ def load_assistant(runtime: Runtime, preferred: str | None, fallback: str,
         return truncated_draft(runtime.target.model, layers), source
     meta = read_meta(Path(source)) if Path(source).is_dir() else None
     if meta is not None and meta["family"] == "feature":
+        why = ("bench.assistant_draft is not set" if preferred is None
+               else f"'{preferred}' is not a finished model folder")
         return None, (f"'{source}' is a feature-conditioned head, which transformers cannot use "
-                      f"as an assistant, and '{preferred}' is not a finished model folder")
+                      f"as an assistant, and {why}")
     loaded = load_model(source, runtime.target.dtype, runtime.target.device, cache_dir)
     check_same_tokenizer(runtime.tokenizer, loaded.tokenizer, "target", source)
     return loaded.model, source

@@ -51,3 +51,5 @@ def test_bench_measures_every_method_side_by_side(tmp_path, tiny_model_dir, monk
     for name in ("speedup/greedy.csv", "speedup/sampling.csv", "accepted_length/greedy.csv",
                  "speedup.png", "accepted_length.png"):
         assert (Path("metrics/bench_plots") / name).is_file(), name
+    table = Path("metrics/bench_plots/results.md").read_text().splitlines()
+    assert [row.split(" | ")[0] for row in table[4:]] == [f"| `{name}`" for name in METHODS]

@@ -1,0 +1,93 @@
+"""The whole DAG on the `smoke` profile, in a workspace copy of this checkout: `dvc repro` from
+nothing to the exported stop model, metrics, plots and MLflow runs; the analysis notebook on
+its outputs; a second `dvc repro` that does nothing; a changed training param that re-runs
+only train, export and bench.  The tests share one workspace and run in file order."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specstop.decoder.stop_model import load_stop_model
+from specstop.pipeline.params import load_params
+from specstop.pipeline.workspace import make_workspace
+
+from conftest import ROOT
+from notebook_run import figures, run_notebook
+
+pytestmark = pytest.mark.integration
+
+STAGES = ["prepare", "prompts", "draft", "collect", "train", "export", "bench"]
+
+
+def dvc(workspace: Path, *args: str) -> subprocess.CompletedProcess:
+    """`dvc` in the workspace, with this interpreter's environment first on PATH."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.run(["dvc", *args], cwd=workspace, env=env, capture_output=True, text=True)
+
+
+def stages_run(result: subprocess.CompletedProcess) -> list[str]:
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return re.findall(r"Running stage '([^']+)'", result.stdout)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A workspace with the smoke profile after one full `dvc repro`."""
+    workspace = make_workspace(ROOT, tmp_path_factory.mktemp("smoke") / "project", "smoke",
+                               load_params(ROOT / "params.yaml"))
+    assert stages_run(dvc(workspace, "repro")) == STAGES
+    return workspace
+
+
+def test_repro_ends_with_stop_model_metrics_plots_and_runs(smoke: Path):
+    policy = load_stop_model(smoke / "data/export/stop_model.pt")
+    assert policy.meta["family"] in {"logistic", "lightgbm", "mlp"}
+    draft = json.loads((smoke / "metrics/draft.json").read_text())
+    assert 0 < draft["alpha"] <= 1 and draft["c"] > 0
+    train = json.loads((smoke / "metrics/train.json").read_text())
+    for name in ["logistic", "lightgbm", "mlp"]:
+        assert {"auc", "log_loss", "brier", "simulated_speedup", "fraction_of_oracle"} \
+            <= set(train[name])
+    assert train["oracle"]["simulated_speedup"] >= train["mlp"]["simulated_speedup"]
+    bench = json.loads((smoke / "metrics/bench.json").read_text())
+    for method in ["ar", "sd", "mcsd", "ti-mcsd", "ti-mcsd+stop_model"]:
+        assert {"tokens_per_s", "speedup_vs_ar", "mean_accepted", "acceptance_rate",
+                "greedy_identical_to_ar"} <= set(bench[method])
+    assert (smoke / "metrics/bench_plots/speedup.png").stat().st_size > 0
+    assert len(list((smoke / "metrics/train_plots/speedup").glob("*.csv"))) >= 4
+    assert (smoke / "metrics/draft_plots/learning_curve.csv").is_file()
+    assert _runs(smoke, "specstop-draft") >= 1 and _runs(smoke, "specstop-train") >= 4
+
+
+def _runs(workspace: Path, experiment: str) -> int:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{workspace / 'mlflow.db'}")
+    found = client.get_experiment_by_name(experiment)
+    return len(client.search_runs([found.experiment_id])) if found else 0
+
+
+def test_notebook_runs_on_the_outputs(smoke: Path):
+    assert figures(run_notebook(smoke)) == 5
+
+
+def test_second_repro_does_nothing(smoke: Path):
+    assert stages_run(dvc(smoke, "repro")) == []
+    assert json.loads(dvc(smoke, "status", "--json").stdout) == {}
+
+
+def test_a_training_param_reruns_only_train_export_bench(smoke: Path):
+    path = smoke / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    params["train"]["mlp"]["lr"] *= 2
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    assert stages_run(dvc(smoke, "repro")) == ["train", "export", "bench"]
