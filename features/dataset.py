@@ -10,6 +10,7 @@ simulator) but are not training examples.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,6 +20,8 @@ from specstop.decoder.errors import SpecstopError, first_line
 from specstop.decoder.files import write_atomic, write_json
 
 from .schema import FEATURES, SCHEMA_VERSION, schema_dict
+
+T = TypeVar("T")
 
 ID_COLUMNS = [
     ("prompt_id", pa.string()),
@@ -93,12 +96,7 @@ def write_schema(folder: Path) -> None:
 
 def read_part(path: Path) -> pa.Table:
     """One part, validated against ROW_SCHEMA; DataError names the file and the problem."""
-    try:
-        table = pq.read_table(path)
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found")
-    except (pa.ArrowException, OSError) as err:
-        raise corrupt(path, err) from err
+    table = _decoded(path, pq.read_table)
     check_schema(path, table.schema)
     return table
 
@@ -106,13 +104,17 @@ def read_part(path: Path) -> pa.Table:
 def check_part(path: Path) -> None:
     """One part's footer validated against ROW_SCHEMA, no data read: the cheap check before a
     streaming read; DataError names the file and the problem."""
+    check_schema(path, _decoded(path, pq.read_schema))
+
+
+def _decoded(path: Path, read: Callable[[Path], T]) -> T:
+    """`read(path)`, with a missing or undecodable file as a DataError naming it."""
     try:
-        schema = pq.read_schema(path)
+        return read(path)
     except FileNotFoundError:
         raise DataError(f"{path}: file not found")
     except (pa.ArrowException, OSError) as err:
         raise corrupt(path, err) from err
-    check_schema(path, schema)
 
 
 def corrupt(path: Path, err: Exception) -> DataError:

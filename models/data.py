@@ -62,12 +62,10 @@ class Split:
 
     name: str
     rows: pd.DataFrame
-    matrix: np.ndarray | None = field(default=None, repr=False, compare=False)
+    matrix: np.ndarray = field(repr=False, compare=False)
 
     @property
     def features(self) -> np.ndarray:  # [n, F] float32, every row (read-only, not copied)
-        if self.matrix is None:
-            return self.rows[FEATURE_NAMES].to_numpy(np.float32)
         view = self.matrix.view()
         view.flags.writeable = False
         return view
@@ -91,9 +89,6 @@ class Split:
     def _prompts(self, keep: np.ndarray | None) -> np.ndarray:
         """[m] object array of prompt ids, one shared string per prompt (8 bytes a row)."""
         column = self.rows["prompt_id"]
-        if not isinstance(column.dtype, pd.CategoricalDtype):
-            prompts = np.asarray(column.to_numpy(), dtype=object)
-            return prompts if keep is None else prompts[keep]
         codes = column.cat.codes.to_numpy()
         return np.asarray(column.cat.categories, dtype=object)[codes if keep is None else
                                                                codes[keep]]

@@ -122,10 +122,11 @@ class Report:
 
 def run(config: TrainConfig) -> Report:
     """Train, score, track and save; returns what was written to the metrics file."""
-    tracking.check(tracking.tracking_uri(config.tracking_uri))  # fails fast, before the work
+    uri = tracking.tracking_uri(config.tracking_uri)
+    tracking.check(uri)  # fails fast, before the work
     dataset = data.load(config.data, config.label)
     bench = _bench(dataset, config)
-    tracking.start(tracking.tracking_uri(config.tracking_uri), config.experiment)
+    tracking.start(uri, config.experiment)
     entries = _baselines(bench)
     common = {"label": config.label, "class_weight": config.class_weight,
               "feature_schema_version": dataset.schema_version,

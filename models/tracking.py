@@ -34,8 +34,8 @@ def tracking_uri(configured: str | None) -> str:
 
 def start(uri: str, experiment: str) -> None:
     """Point MLflow at `uri` and select (creating if needed) the pipeline's experiment; a store
-    that cannot be used is a one-line SpecstopError naming the URI, within seconds."""
-    check(uri)
+    MLflow refuses is a one-line SpecstopError naming the URI.  Call `check(uri)` first, before
+    the stage's work: it catches the stores MLflow would retry for minutes."""
     import mlflow
     from sqlalchemy.exc import SQLAlchemyError
 

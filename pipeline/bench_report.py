@@ -22,6 +22,7 @@ from .bench_decode import MethodResult
 
 EXPORTED, HF, SD = "ti-mcsd+stop_model", "hf-assisted", "sd"
 HF_TARGET, SIMULATION_TOLERANCE = 1.2, 0.15
+NOT_METHODS = ("sampling", "setup", "latency", "targets")  # bench.json's other entries
 
 
 def write(results: dict[str, list[MethodResult]], prompt_ids: list[str], setup: dict,
@@ -149,6 +150,11 @@ def _save(fig, path: Path) -> None:
     plt.close(fig)
 
 
+def methods(metrics: dict) -> dict:
+    """The greedy methods of bench.json (its other top-level entries are not methods)."""
+    return {name: m for name, m in metrics.items() if name not in NOT_METHODS}
+
+
 def markdown(metrics: dict) -> str:
     """The README's results table: greedy and sampling speed of every method vs `ar`."""
     setup, sampling = metrics["setup"], metrics["sampling"]
@@ -158,9 +164,7 @@ def markdown(metrics: dict) -> str:
             "| method | tok/s | vs `ar` | accepted per target call | acceptance | identical "
             "to `ar` | sampling: vs `ar` |",
             "|---|---|---|---|---|---|---|"]
-    for name, m in metrics.items():
-        if name in ("sampling", "setup", "latency", "targets"):
-            continue
+    for name, m in methods(metrics).items():
         sampled = f"{sampling[name]['speedup_vs_ar']:.2f}" if name in sampling else "-"
         rows.append(f"| `{name}` | {m['tokens_per_s']:.2f} | {m['speedup_vs_ar']:.2f} | "
                     f"{m['mean_accepted']:.2f} | {m['acceptance_rate']:.3f} | "
@@ -173,9 +177,7 @@ def table(metrics: dict) -> str:
     rows = [f"{'method':26}{'tok/s':>8}{'vs ar':>7}{'acc/call':>9}{'accept':>8}{'=ar':>5}"
             f"{'logp':>7}{'sim.':>7}  | sampling {'tok/s':>7}{'vs ar':>7}{'acc/call':>9}"]
     sampling = metrics["sampling"]
-    for name, m in metrics.items():
-        if name in ("sampling", "setup", "latency", "targets"):
-            continue
+    for name, m in methods(metrics).items():
         s = sampling.get(name, {})
         sim = f"{m['simulated_speedup']:.2f}" if "simulated_speedup" in m else "-"
         rows.append(f"{name:26}{m['tokens_per_s']:>8.2f}{m['speedup_vs_ar']:>7.2f}"

@@ -31,12 +31,17 @@ def apply_profile(params: dict[str, Any], name: str) -> dict[str, Any]:
     if not isinstance(profiles.get(name), dict):
         raise SpecstopError(f"params.yaml: no profile '{name}' in '{PROFILES}' "
                             f"(known: {', '.join(profiles) or 'none'})")
-    sections = {k: v for k, v in params.items() if k != PROFILES}
+    sections = _sections(params)
     unknown = sorted(set(profiles[name]) - set(sections))
     if unknown:
         raise SpecstopError(f"params.yaml: profile '{name}' overrides unknown section(s) "
                             f"{unknown}")
     return _merge(sections, profiles[name])
+
+
+def _sections(params: dict[str, Any]) -> dict[str, Any]:
+    """The params without their profiles."""
+    return {k: v for k, v in params.items() if k != PROFILES}
 
 
 def _merge(base: Any, override: Any) -> Any:
@@ -66,8 +71,7 @@ def make_workspace(root: Path, dest: Path, profile: str | None, params: dict[str
     root, dest = Path(root).resolve(), Path(dest).resolve()
     if dest.exists() and any(dest.iterdir()):
         raise SpecstopError(f"{dest}: workspace folder exists and is not empty")
-    values = apply_profile(params, profile) if profile else \
-        {k: v for k, v in params.items() if k != PROFILES}
+    values = apply_profile(params, profile) if profile else _sections(params)
     for name in project_files(root):
         (dest / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(root / name, dest / name)

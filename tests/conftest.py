@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM,
@@ -72,3 +74,23 @@ def other_tokenizer_model_dir(embedded_dir: Path, tmp_path_factory: pytest.TempP
     tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
     tokenizer.add_tokens(["<specstop-extra-0>", "<specstop-extra-1>"])
     return save_tiny_llama(tokenizer, tmp_path_factory.mktemp("tiny-llama-other-tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tiny_target(embedded_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_model_dir` with room for chat-templated prompts (512 positions): a target for
+    stage runs."""
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    return save_tiny_llama(tokenizer, tmp_path_factory.mktemp("tiny-target"), context=512)
+
+
+def write_chat_prompts(prompts: Path, target: Path, splits: dict[str, list[str]]) -> None:
+    """`prompts/<split>.parquet` as stage `prompts` writes them: each request rendered through
+    `target`'s chat template, with the id `p-<request>`."""
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompts.mkdir(parents=True)
+    for split, requests in splits.items():
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": r}], tokenize=False,
+                                               add_generation_prompt=True) for r in requests]
+        pq.write_table(pa.table({"prompt_id": [f"p-{r}" for r in requests], "text": texts}),
+                       prompts / f"{split}.parquet")

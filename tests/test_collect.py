@@ -12,7 +12,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from specstop.decoder.drafter import ModelDrafter
 from specstop.decoder.kv import KVModel
@@ -21,28 +20,16 @@ from specstop.decoder.policy import FixedDepth
 from specstop.features.dataset import DataError, RoundLogger, read_part, read_parts, write_part
 from specstop.pipeline import collect
 
-from conftest import perturbed_copy, save_tiny_llama, tiny_llama
+from conftest import perturbed_copy, tiny_llama, write_chat_prompts
 
 REQUESTS = ["add two numbers", "reverse a list", "sort words", "count vowels", "is it prime",
             "say hello", "fizz buzz"]
 
 
-@pytest.fixture(scope="module")
-def tiny_target(embedded_dir, tmp_path_factory) -> Path:
-    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
-    return save_tiny_llama(tokenizer, tmp_path_factory.mktemp("collect-target"), context=512)
-
-
 def make_workdir(folder: Path, target: Path) -> dict:
     """Prompts of two splits and params for a tiny collection run in `folder`."""
-    tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = folder / "data" / "prompts"
-    prompts.mkdir(parents=True)
-    for split, requests in [("train", REQUESTS[:5]), ("val", REQUESTS[5:])]:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": r}], tokenize=False,
-                                               add_generation_prompt=True) for r in requests]
-        pq.write_table(pa.table({"prompt_id": [f"p-{r}" for r in requests], "text": texts}),
-                       prompts / f"{split}.parquet")
+    write_chat_prompts(prompts, target, {"train": REQUESTS[:5], "val": REQUESTS[5:]})
     return {"models": {"target": str(target), "draft": "layers:1", "dtype": "float32",
                        "device": "cpu"},
             "collect": {"prompts": str(prompts), "out": str(folder / "data" / "collect"),

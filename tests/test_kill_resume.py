@@ -17,19 +17,16 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from transformers import AutoTokenizer
 
 from specstop.decoder.draft_models import HEAD_WEIGHTS, META_FILE, read_meta
 from specstop.features.dataset import read_parts
 from specstop.models.draft_train import EpochBatches, ResumableLoader, read_curve
 
-from conftest import save_tiny_llama
+from conftest import write_chat_prompts
 
 ENV = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"},
        "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -43,29 +40,12 @@ STEPS_PER_EPOCH = TRAIN * SAMPLES // BATCH  # 5; a checkpoint every 4 steps: all
 POLL_S, TIMEOUT_S = 0.01, 300.0
 
 
-@pytest.fixture(scope="module")
-def tiny_target(embedded_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
-    return save_tiny_llama(tokenizer, tmp_path_factory.mktemp("kill-target"), context=512)
-
-
-def write_prompts(folder: Path, target: Path) -> None:
-    """Train and val prompts (chat-templated) under `folder/data/prompts`."""
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    prompts = folder / "data" / "prompts"
-    prompts.mkdir(parents=True)
-    for split, requests in [("train", REQUESTS[:TRAIN]), ("val", REQUESTS[TRAIN:])]:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": r}], tokenize=False,
-                                               add_generation_prompt=True) for r in requests]
-        pq.write_table(pa.table({"prompt_id": [f"p{i}-{split}" for i in range(len(texts))],
-                                 "text": texts}), prompts / f"{split}.parquet")
-
-
 def workdir(folder: Path, target: Path) -> Path:
     """A run folder: prompts and a params file for tiny `collect` and `draft` runs (relative
     paths, so every folder runs the same settings)."""
     folder.mkdir()
-    write_prompts(folder, target)
+    write_chat_prompts(folder / "data" / "prompts", target,
+                       {"train": REQUESTS[:TRAIN], "val": REQUESTS[TRAIN:]})
     params = {
         "models": {"target": str(target), "draft": "layers:1", "dtype": "float32",
                    "device": "cpu"},
@@ -166,9 +146,7 @@ def test_killed_collect_resumes_to_the_same_rows(tiny_target, collect_reference,
     assert resumed.equals(reference)
     keys = list(zip(*[resumed.column(c).to_pylist() for c in ("prompt_id", "round", "node")]))
     assert len(keys) == len(set(keys)), "duplicated rows"
-    expected = {f"p{i}-{s}" for s, n in [("train", TRAIN), ("val", len(REQUESTS) - TRAIN)]
-                for i in range(n)}
-    assert set(resumed.column("prompt_id").to_pylist()) == expected
+    assert set(resumed.column("prompt_id").to_pylist()) == {f"p-{r}" for r in REQUESTS}
 
 
 # ------------------------------------------------------------------------------------ draft
