@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .files import write_json
+from specstop.common.files import write_json
 from .kv import KVModel
 
 

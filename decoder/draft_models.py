@@ -23,8 +23,8 @@ from torch import nn
 from transformers import AutoConfig, LlamaConfig, LlamaModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .errors import SpecstopError
-from .files import write_atomic, write_json
+from specstop.common.errors import SpecstopError
+from specstop.common.files import write_atomic, write_json
 
 META_FILE = "specstop_draft.json"
 HEAD_WEIGHTS = "head.safetensors"

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from .costs import VerifyCosts
 from .draft_models import load_feature_head, prune_head, read_meta
 from .drafter import Drafter, FeatureDrafter, ModelDrafter
-from .errors import SpecstopError
+from specstop.common.errors import SpecstopError
 from .kv import KVModel
 from .loop import DecodeConfig, Generation, generate
 from .models import (DEFAULT_CACHE, LoadedModel, chat_text, check_same_tokenizer, load_model,

@@ -24,7 +24,7 @@ import torch
 
 from specstop.features import FEATURES, SCHEMA_VERSION, feature_index
 
-from .errors import SpecstopError, first_line
+from specstop.common.errors import SpecstopError, first_line
 
 META_FILE = "specstop.json"
 RULES = ("threshold", "cost_aware")

@@ -16,8 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from specstop.decoder.errors import SpecstopError, first_line
-from specstop.decoder.files import write_atomic, write_json
+from specstop.common.errors import SpecstopError, first_line
+from specstop.common.files import write_atomic, write_json
 
 from .schema import FEATURES, SCHEMA_VERSION, schema_dict
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specstop.decoder.files import remove_temp_files, write_atomic, write_json
+from specstop.common.files import remove_temp_files, write_atomic, write_json
 
 
 @dataclass(frozen=True)

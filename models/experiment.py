@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from specstop.decoder.errors import SpecstopError
-from specstop.decoder.files import write_json
+from specstop.common.errors import SpecstopError
+from specstop.common.files import write_json
 from specstop.features import feature_index
 
 from . import data, evaluate, plots, rules, tracking

@@ -20,7 +20,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import Pipeline, make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from specstop.decoder.files import write_atomic, write_json
+from specstop.common.files import write_atomic, write_json
 from specstop.features.dataset import DataError
 
 

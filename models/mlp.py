@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from specstop.decoder.files import write_atomic, write_json
+from specstop.common.files import write_atomic, write_json
 
 from .families import FitData
 

@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from specstop.decoder.files import write_atomic  # noqa: E402
+from specstop.common.files import write_atomic  # noqa: E402
 
 
 def write_csv(path: Path, header: list[str], rows: list[tuple]) -> None:

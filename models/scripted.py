@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from specstop.decoder.errors import SpecstopError
-from specstop.decoder.files import write_atomic
+from specstop.common.errors import SpecstopError
+from specstop.common.files import write_atomic
 from specstop.decoder.stop_model import META_FILE
 from specstop.features import FEATURES, SCHEMA_VERSION
 

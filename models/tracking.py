@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from specstop.decoder.errors import SpecstopError, first_line
+from specstop.common.errors import SpecstopError, first_line
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 PROBE_TIMEOUT_S = 3.0  # a tracking server that does not answer /health within this is down

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from specstop.decoder.costs import measure_verify_costs
-from specstop.decoder.errors import SpecstopError
+from specstop.common.errors import SpecstopError
 from specstop.decoder.loop import DecodeConfig
 from specstop.decoder.policy import ConfidenceThreshold, FixedDepth
 from specstop.decoder.runtime import Runtime

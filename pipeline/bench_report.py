@@ -15,7 +15,7 @@ from pathlib import Path
 
 from matplotlib.ticker import MaxNLocator
 
-from specstop.decoder.files import write_atomic, write_json
+from specstop.common.files import write_atomic, write_json
 from specstop.models.plots import plt, write_csv
 
 from .bench_decode import MethodResult

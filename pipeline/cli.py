@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from specstop.decoder.errors import SpecstopError
+from specstop.common.errors import SpecstopError
 from specstop.decoder.loop import DecodeConfig
 
 from .params import DEFAULT_PARAMS, load_params, section

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specstop.decoder.files import remove_temp_files, write_json
+from specstop.common.files import remove_temp_files, write_json
 from specstop.decoder.loop import DecodeConfig, DecodeStats
 from specstop.decoder.policy import FixedDepth
 from specstop.decoder.runtime import Runtime, load_runtime

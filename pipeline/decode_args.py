@@ -6,7 +6,7 @@ import argparse
 from typing import Any, Callable
 from pathlib import Path
 
-from specstop.decoder.errors import SpecstopError
+from specstop.common.errors import SpecstopError
 from specstop.decoder.loop import METHODS, DecodeConfig
 from specstop.decoder.policy import ConfidenceThreshold, FixedDepth, StoppingPolicy
 from specstop.decoder.runtime import Runtime, load_runtime, sampling_from

@@ -24,8 +24,8 @@ import torch
 from specstop.decoder.costs import VerifyCosts, measure_verify_costs
 from specstop.decoder.draft_models import (build_compact, build_feature_head,
                                            most_frequent_tokens, read_meta, save_draft)
-from specstop.decoder.errors import SpecstopError
-from specstop.decoder.files import write_atomic, write_json
+from specstop.common.errors import SpecstopError
+from specstop.common.files import write_atomic, write_json
 from specstop.decoder.loop import DecodeConfig
 from specstop.decoder.models import load_model, resolve_device, resolve_dtype
 from specstop.decoder.runtime import load_runtime

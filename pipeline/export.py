@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from specstop.decoder.errors import SpecstopError
-from specstop.decoder.files import write_atomic, write_json
+from specstop.common.errors import SpecstopError
+from specstop.common.files import write_atomic, write_json
 from specstop.decoder.stop_model import LearnedPolicy, read_stop_model
 from specstop.features import feature_index
 from specstop.features.dataset import DataError

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from specstop.decoder.errors import SpecstopError
+from specstop.common.errors import SpecstopError
 
 DEFAULT_PARAMS = Path("params.yaml")
 Config = TypeVar("Config")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from specstop.decoder.errors import SpecstopError, first_line
+from specstop.common.errors import SpecstopError, first_line
 
 EMBEDDED = ("humaneval",)
 ORIGINS = ("embedded", "path", "dataset")

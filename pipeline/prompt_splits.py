@@ -18,8 +18,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from specstop.decoder.errors import SpecstopError
-from specstop.decoder.files import write_atomic, write_json
+from specstop.common.errors import SpecstopError
+from specstop.common.files import write_atomic, write_json
 
 from .prompt_sources import SourceRequests
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specstop.decoder.errors import SpecstopError
+from specstop.common.errors import SpecstopError
 from specstop.decoder.models import chat_text, load_tokenizer
 
 from .params import section

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from specstop.decoder.errors import SpecstopError
+from specstop.common.errors import SpecstopError
 from specstop.features.dataset import DataError
 from specstop.models.experiment import Report, TrainConfig
 from specstop.models import experiment

@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-from specstop.decoder.errors import SpecstopError
-from specstop.decoder.files import write_atomic
+from specstop.common.errors import SpecstopError
+from specstop.common.files import write_atomic
 
 PROFILES = "profiles"
 OUTPUTS = ("data/", "metrics/", "dvc.lock")  # a workspace makes its own

@@ -11,7 +11,7 @@ import torch
 from specstop.decoder.draft_models import (build_compact, build_feature_head,
                                            most_frequent_tokens, read_meta, save_draft)
 from specstop.decoder.drafter import FeatureDrafter, ModelDrafter
-from specstop.decoder.errors import SpecstopError
+from specstop.common.errors import SpecstopError
 from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, generate
 from specstop.decoder.runtime import load_runtime

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from specstop.decoder.errors import SpecstopError
+from specstop.common.errors import SpecstopError
 from specstop.decoder.stop_model import LearnedPolicy, load_stop_model, read_stop_model
 from specstop.features import FEATURES, SCHEMA_VERSION, feature_index
 from specstop.models import experiment, rules

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
-from specstop.decoder.errors import SpecstopError
+from specstop.common.errors import SpecstopError
 from specstop.decoder.models import chat_text
 from specstop.pipeline import prompt_splits
 from specstop.pipeline.prompt_sources import (SourceRequests, parse_source, parse_sources,

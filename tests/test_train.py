@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specstop.decoder.errors import SpecstopError
+from specstop.common.errors import SpecstopError
 from specstop.features.dataset import ROW_SCHEMA, DataError, read_parts, write_part
 from specstop.models import data, experiment
 from specstop.models.families import fit_data

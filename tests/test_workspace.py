@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import yaml
 
-from specstop.decoder.errors import SpecstopError
+from specstop.common.errors import SpecstopError
 from specstop.pipeline.cli import main
 from specstop.pipeline.params import load_params
 from specstop.pipeline.workspace import apply_profile, make_workspace
