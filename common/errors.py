@@ -1,10 +1,17 @@
-"""The one error type the CLI turns into a one-line message."""
+"""The one error type the CLI turns into a one-line message, and how a library's error is
+shortened to fit in it."""
 
 
 class SpecstopError(Exception):
     """A user-facing error: bad input, a missing file, an incompatible model pair."""
 
 
-def first_line(err: Exception) -> str:
-    """The first line of an exception's message (its type name when it has none)."""
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+def first_line(err: BaseException) -> str:
+    """A library error's message as one short line: its first line (all of its lines where the
+    first ends in ':', a list follows), cut to its first sentence where it runs long; its type
+    name when it has no message."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    text = " ".join(lines) if lines[0].endswith(":") else lines[0]
+    return text.split(". ")[0] if len(text) > 160 else text

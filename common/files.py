@@ -1,11 +1,15 @@
 """Atomic file writes: a temp file in the same folder, then a rename, so readers and resumed
-runs never see a partial file; a killed writer's temp file is removed when its run resumes."""
+runs never see a partial file; a killed writer's temp file is removed when its run resumes.
+Work made with other settings is set aside (moved under a `stale/` folder), never deleted."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
+import sys
 import uuid
 from pathlib import Path
 from typing import Callable
@@ -36,3 +40,58 @@ def remove_temp_files(folder: Path) -> None:
 
 def write_json(path: Path, value: object) -> None:
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(value, indent=2) + "\n"))
+
+
+RECIPE_FILE = "recipe.json"
+
+
+def resume_or_set_aside(folder: Path, recipe: dict, stale_root: Path, what: str) -> bool:
+    """True when `folder` holds work done with `recipe` (`folder/recipe.json`): resume it.
+
+    Otherwise whatever `folder` holds is moved, never deleted, to `stale_root/<folder name>-<old
+    recipe digest>/`, and work set aside earlier with `recipe` is moved back (True), or else
+    `folder` starts afresh with `recipe` recorded (False); a message says what moved where.
+    Call it only after the settings and models were checked, so a typo moves nothing."""
+    folder, stale_root = Path(folder), Path(stale_root)
+    if _recipe_of(folder) == _canonical(recipe):
+        return True
+    if folder.is_dir() and any(p.name != RECIPE_FILE for p in folder.iterdir()):
+        dest = _free_name(stale_root, f"{folder.name}-{_digest(_recipe_of(folder))}")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(folder, dest)
+        print(f"{what}: made with other settings; moved to {dest}", file=sys.stderr)
+    earlier = [p for p in sorted(stale_root.glob(f"{folder.name}-*"))
+               if _recipe_of(p) == _canonical(recipe)]
+    if earlier:
+        shutil.rmtree(folder, ignore_errors=True)  # at most a recipe file is left there
+        os.replace(earlier[-1], folder)
+        print(f"{what}: resuming the work made with these settings, moved back from "
+              f"{earlier[-1]}", file=sys.stderr)
+        return True
+    write_json(folder / RECIPE_FILE, recipe)
+    return False
+
+
+def _canonical(recipe: dict) -> dict:
+    return json.loads(json.dumps(recipe))
+
+
+def _recipe_of(folder: Path) -> dict | None:
+    path = folder / RECIPE_FILE
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except ValueError:
+        return None  # a damaged recipe matches nothing: its folder is set aside
+
+
+def _digest(recipe: dict | None) -> str:
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _free_name(root: Path, name: str) -> Path:
+    """`root/name`, or `root/name-2`, `-3`, ... when it is taken."""
+    dest, n = root / name, 1
+    while dest.exists():
+        n += 1
+        dest = root / f"{name}-{n}"
+    return dest

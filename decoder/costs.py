@@ -8,6 +8,7 @@ decode loop pads a pass to the cheapest measured width at least as large.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from specstop.common.errors import SpecstopError, first_line
 from specstop.common.files import write_json
 from .kv import KVModel
 
@@ -45,9 +47,40 @@ class VerifyCosts:
 
     @classmethod
     def load(cls, path: Path) -> "VerifyCosts":
-        raw = json.loads(Path(path).read_text())
-        raw["seconds"] = {int(k): float(v) for k, v in raw["seconds"].items()}
-        return cls(**raw)
+        """A table `save` wrote; a SpecstopError names the file and the bad field."""
+        try:
+            raw = json.loads(Path(path).read_text())
+            raw["seconds"] = seconds_by_width(raw["seconds"], "seconds")
+            return cls(**raw)
+        except OSError as err:
+            raise SpecstopError(f"{path}: cannot read the verify costs ({err.strerror})") from err
+        except (KeyError, TypeError, ValueError) as err:
+            raise SpecstopError(f"{path}: not a verify-cost table ({field_problem(err)})") \
+                from err
+
+
+def seconds_by_width(raw: object, field: str) -> dict[int, float]:
+    """`{"n": seconds}` as {n: seconds}; a ValueError naming `field` unless it is non-empty,
+    holds width 1 and every width >= 1 took a finite, positive time."""
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"field '{field}' must map widths to seconds, got {raw!r}")
+    try:
+        seconds = {int(k): float(v) for k, v in raw.items()}
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"field '{field}': {first_line(err)}") from err
+    if 1 not in seconds:
+        raise ValueError(f"field '{field}' has no width 1, the one-token step")
+    for n, time_s in seconds.items():
+        if n < 1:
+            raise ValueError(f"field '{field}': width {n} is below 1")
+        if not math.isfinite(time_s) or time_s <= 0:
+            raise ValueError(f"field '{field}': width {n} took {time_s} s, not a finite time > 0")
+    return seconds
+
+
+def field_problem(err: Exception) -> str:
+    """What a JSON loader's KeyError, TypeError or ValueError says, in one line."""
+    return f"missing field {err}" if isinstance(err, KeyError) else first_line(err)
 
 
 def measure_verify_costs(lm: KVModel, name: str, widths: list[int], context: int = 200,

@@ -13,22 +13,43 @@ token probability 0, which keeps verification exact (the target scores the full 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, LlamaConfig, LlamaModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from specstop.common.errors import SpecstopError
+from specstop.common.errors import SpecstopError, first_line
 from specstop.common.files import write_atomic, write_json
+from .model_files import LOAD_ERRORS, corrupt_weights, read_json_object
+from .models import truncated_draft
 
 META_FILE = "specstop_draft.json"
 HEAD_WEIGHTS = "head.safetensors"
 FAMILIES = ("compact", "feature")
+
+
+def _positive_int(value: object) -> bool:
+    return type(value) is int and value > 0
+
+
+def _token_ids(value: object) -> bool:
+    return value is None or (isinstance(value, list) and len(value) > 0
+                             and all(type(i) is int and i >= 0 for i in value))
+
+
+# the metadata keys `save_draft` writes that loaders read: what each must be, and its test
+META_KEYS: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "target_vocab_size": ("a positive integer", _positive_int),
+    "target_hidden_size": ("a positive integer", _positive_int),
+    "vocab_ids": ("null or a non-empty list of token ids", _token_ids),
+}
+REQUIRED_META = {"compact": ("vocab_ids",), "feature": ("target_vocab_size", "target_hidden_size")}
 
 
 class FeatureHead(nn.Module):
@@ -86,8 +107,6 @@ def most_frequent_tokens(counts: torch.Tensor, size: int, always: list[int]) -> 
 
 def build_compact(target: nn.Module, layers: int, vocab_ids: torch.Tensor | None) -> nn.Module:
     """The target's first `layers` layers with its embeddings and a head over `vocab_ids`."""
-    from .models import truncated_draft
-
     draft = truncated_draft(target, layers)
     draft.config.tie_word_embeddings = False
     weight = target.get_output_embeddings().weight.detach()
@@ -158,16 +177,23 @@ def _compact_with_full_head(draft: nn.Module, target: nn.Module,
 
 
 def read_meta(folder: Path) -> dict | None:
-    """The draft metadata of a folder, or None when it is not a specstop-built draft."""
+    """The draft metadata of a folder, or None when it is not a specstop-built draft; a
+    SpecstopError names the file and the missing or malformed key."""
     path = Path(folder) / META_FILE
     if not path.is_file():
         return None
-    try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise SpecstopError(f"{path}: not valid JSON ({err})") from err
+    meta = read_json_object(path)
     if meta.get("family") not in FAMILIES:
         raise SpecstopError(f"{path}: field 'family' must be one of {', '.join(FAMILIES)}")
+    required = REQUIRED_META[meta["family"]]
+    missing = [key for key in required if key not in meta]
+    if missing:
+        raise SpecstopError(f"{path}: missing key(s) {', '.join(missing)} "
+                            f"(needed by a {meta['family']} draft)")
+    for key in required:
+        what, valid = META_KEYS[key]
+        if not valid(meta[key]):
+            raise SpecstopError(f"{path}: key '{key}' must be {what}")
     return meta
 
 
@@ -179,21 +205,43 @@ def load_feature_head(folder: Path, target: nn.Module, meta: dict) -> LoadedDraf
         raise SpecstopError(f"{folder}: draft head built for a target with vocabulary "
                             f"{meta['target_vocab_size']} and hidden size "
                             f"{meta['target_hidden_size']}, not this target")
-    config = LlamaConfig.from_pretrained(folder)
+    config_file = folder / "config.json"
+    if not config_file.is_file():  # else transformers takes the folder for a hub id
+        raise SpecstopError(f"{folder}: no config.json (the head's config)")
+    try:
+        config = LlamaConfig.from_pretrained(folder)
+    except LOAD_ERRORS as err:
+        raise SpecstopError(f"{config_file}: not a usable head config "
+                            f"({first_line(err)})") from err
     config._attn_implementation = "sdpa"
-    weights = folder / HEAD_WEIGHTS
-    if not weights.is_file():
-        raise SpecstopError(f"draft head weights missing: {weights}")
-    state = load_file(str(weights))
+    state = _head_state(folder / HEAD_WEIGHTS)
     head = FeatureHead(config, target.get_input_embeddings(), state["vocab_ids"])
-    missing, unexpected = head.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = head.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # a tensor of another shape
+        raise SpecstopError(f"{folder / HEAD_WEIGHTS}: weights do not match the head's config "
+                            f"({first_line(err)})") from err
     if unexpected or any(not k.startswith("embed_tokens.") for k in missing):
-        raise SpecstopError(f"{weights}: weights do not match the head's config "
+        raise SpecstopError(f"{folder / HEAD_WEIGHTS}: weights do not match the head's config "
                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     param = next(target.parameters())
     head = head.to(param.device, param.dtype).eval()
     ids = state["vocab_ids"]
     return LoadedDraft(head, "feature", None if ids.shape[0] == target.config.vocab_size else ids)
+
+
+def _head_state(weights: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a head's weights file, with a 1-D integer `vocab_ids` among them."""
+    if not weights.is_file():
+        raise SpecstopError(f"{weights}: draft head weights missing")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as err:
+        raise corrupt_weights(weights, err) from err
+    ids = state.get("vocab_ids")
+    if ids is None or ids.dim() != 1 or ids.is_floating_point():
+        raise SpecstopError(f"{weights}: no 1-D integer tensor 'vocab_ids' (the head's tokens)")
+    return state
 
 
 def prune_head(model: nn.Module, vocab_ids: torch.Tensor) -> nn.Module:

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from specstop.common.params import METHODS
 from specstop.features import RoundContext, draft_features, feature_index
 
 from .costs import VerifyCosts
@@ -26,7 +27,6 @@ from .sampling import Sampling, sample, warp
 from .tree import Tree
 from .verify import dynasd_select, verify_tree
 
-METHODS = ("ar", "sd", "mcsd", "ti-mcsd")
 MAX_DEPTH = 64
 MAX_TREE_NODES = 4096
 PATH_CONFIDENCE = feature_index("path_confidence")

@@ -9,15 +9,22 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from specstop.common.errors import SpecstopError, first_line
+
+from .model_files import (CONFIG, LOAD_ERRORS, SAFETENSORS, check_model_folder,
+                          check_tokenizer_files, hub_kwargs, looks_like_path)
 
 EMBEDDED = "embedded"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -45,22 +52,33 @@ def resolve_device(device: str = "auto") -> torch.device:
     return resolved
 
 
+CPUINFO = Path("/proc/cpuinfo")  # its `flags` lines name the CPU's instruction sets
+
+
 @lru_cache(maxsize=None)
 def cpu_has_bf16() -> bool:
     """True where the CPU has native bf16 matrix instructions (AVX512-BF16 or AMX)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        flags = CPUINFO.read_text()
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def native_bf16(device: torch.device) -> bool:
+    """True where bf16 runs natively: a CUDA GPU with bf16 units (not emulation), a CPU with
+    AVX512-BF16 or AMX.  Every `auto` dtype or precision follows it."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return device.type == "cpu" and cpu_has_bf16()
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """'auto' is bf16 where the hardware runs it natively, else fp32."""
+    """'auto' is bf16 where the hardware runs it natively, else fp16 on a GPU and fp32 on a CPU."""
     if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+        if native_bf16(device):
+            return torch.bfloat16
+        return torch.float16 if device.type == "cuda" else torch.float32
     try:
         return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
@@ -82,9 +100,11 @@ def embedded_gguf() -> Path:
 def convert_embedded(cache_dir: Path = DEFAULT_CACHE) -> Path:
     """De-quantise the embedded GGUF once into a safetensors folder (atomically); return it."""
     cache_dir = Path(cache_dir)
-    if (cache_dir / "model.safetensors").is_file():
+    if (cache_dir / SAFETENSORS).is_file():
         return cache_dir
     gguf = embedded_gguf()
+    print(f"specstop: converting the embedded target into {cache_dir.resolve()} "
+          f"(once, ~0.5 GB)", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                      dtype=torch.float32)
@@ -106,43 +126,76 @@ def convert_embedded(cache_dir: Path = DEFAULT_CACHE) -> Path:
     return cache_dir
 
 
-def _locate(source: str, cache_dir: Path) -> tuple[str, dict]:
-    """Where transformers finds `source`: (folder or hub id, extra from_pretrained kwargs)."""
+def _locate(source: str, cache_dir: Path,
+            check: Callable[[Path], None]) -> tuple[str, dict, str]:
+    """Where transformers finds `source`: (folder or hub id, extra from_pretrained kwargs, the
+    name errors give); a local folder passes `check` first."""
     if source == EMBEDDED:
-        return str(convert_embedded(cache_dir)), {}
+        folder = convert_embedded(cache_dir)
+        check(folder)
+        return str(folder), {}, str(folder)
+    path = Path(source).expanduser()
     if source.endswith(".gguf"):
-        path = Path(source)
         if not path.is_file():
             raise SpecstopError(f"model file not found: {source}")
-        return str(path.parent), {"gguf_file": path.name}
-    looks_local = source.startswith(("/", "./", "../", "~")) or source.count("/") > 1
-    if not Path(source).exists() and looks_local:  # a hub id is `name` or `org/name`
+        return str(path.parent), {"gguf_file": path.name}, source
+    if path.is_dir():
+        check(path)
+        return str(path), {}, source
+    if path.exists():
+        raise SpecstopError(f"{source}: not a model folder (a file; name its folder)")
+    if looks_like_path(source):
         raise SpecstopError(f"model folder not found: {source}")
-    return source, {}
+    return source, hub_kwargs(source), source
 
 
 def load_model(source: str, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
                cache_dir: Path = DEFAULT_CACHE) -> LoadedModel:
     """Load a causal LM and its tokenizer from `embedded`, a folder, a .gguf file or a hub id."""
     device = device or torch.device("cpu")
-    location, kwargs = _locate(source, cache_dir)
+    location, kwargs, shown = _locate(source, cache_dir, check_model_folder)
+    tokenizer = _tokenizer(location, kwargs, shown)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype,
-                                                     attn_implementation="sdpa", **kwargs)
-    except (OSError, ValueError) as err:
-        raise SpecstopError(f"cannot load model '{source}': {first_line(err)}") from err
+        with _errors_only():  # its load report would repeat what _check_loading_info says
+            model, info = AutoModelForCausalLM.from_pretrained(
+                location, dtype=dtype, attn_implementation="sdpa", output_loading_info=True,
+                ignore_mismatched_sizes=True, **kwargs)
+    except LOAD_ERRORS as err:
+        raise SpecstopError(f"{shown}: cannot load the model ({first_line(err)})") from err
+    _check_loading_info(info, shown)
     return LoadedModel(model.to(device).eval(), tokenizer, source)
+
+
+@contextmanager
+def _errors_only() -> Iterator[None]:
+    """Silence transformers' warnings for the duration."""
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _check_loading_info(info: dict, shown: str) -> None:
+    """Refuse weights that left tensors missing or of another shape (randomly initialised)."""
+    for key, what in (("missing_keys", "missing"), ("mismatched_keys", "of another shape")):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
+        if names:
+            raise SpecstopError(f"{shown}: the weights do not match {CONFIG} ({len(names)} of "
+                                f"its tensors {what}, e.g. '{names[0]}')")
 
 
 def load_tokenizer(source: str, cache_dir: Path = DEFAULT_CACHE) -> PreTrainedTokenizerBase:
     """Only the tokenizer of a model named as for `load_model` (no weights are loaded)."""
-    location, kwargs = _locate(source, cache_dir)
+    return _tokenizer(*_locate(source, cache_dir, check_tokenizer_files))
+
+
+def _tokenizer(location: str, kwargs: dict, where: str) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(location, **kwargs)
-    except (OSError, ValueError) as err:
-        raise SpecstopError(f"cannot load the tokenizer of '{source}': {first_line(err)}") \
-            from err
+    except LOAD_ERRORS as err:
+        raise SpecstopError(f"{where}: cannot load the tokenizer ({first_line(err)})") from err
 
 
 def chat_text(tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:

@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from .costs import VerifyCosts
-from .draft_models import load_feature_head, prune_head, read_meta
+from .draft_models import META_FILE, load_feature_head, prune_head, read_meta
 from .drafter import Drafter, FeatureDrafter, ModelDrafter
 from specstop.common.errors import SpecstopError
 from .kv import KVModel
@@ -38,6 +38,7 @@ class Runtime:
         """Prompt text -> ids [L], through the chat template when the tokenizer has one.
 
         `special_tokens=False` for text already rendered through the chat template."""
+        check_utf8(prompt)
         if not prompt.strip():
             raise SpecstopError("the prompt is empty")
         if chat and self.tokenizer.chat_template:
@@ -105,8 +106,24 @@ def _load_drafter(draft: str, target: LoadedModel, dtype: torch.dtype, device: t
     other = load_model(draft, dtype, device, cache_dir)
     check_same_tokenizer(target.tokenizer, other.tokenizer, target.source, draft)
     ids = None if meta is None or meta["vocab_ids"] is None else torch.tensor(meta["vocab_ids"])
+    rows = other.model.config.vocab_size
+    if ids is not None and int(ids.max()) >= rows:
+        raise SpecstopError(f"{Path(draft) / META_FILE}: vocab_ids name token {int(ids.max())}, "
+                            f"beyond the draft's vocabulary of {rows}")
     model = other.model if ids is None else prune_head(other.model, ids)
     return ModelDrafter(KVModel(model, vocab_size=vocab, vocab_ids=ids))
+
+
+def check_utf8(text: str) -> None:
+    """Refuse text that is not valid UTF-8: argv bytes that are not arrive as lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        where = len(text[:err.start].encode("utf-8", "surrogateescape"))
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise SpecstopError(f"the prompt is not valid UTF-8 ({what} at position {where})") \
+            from None
 
 
 def sampling_from(temperature: float, top_p: float) -> Sampling:

@@ -133,11 +133,36 @@ class LearnedPolicy:
 
 
 def load_stop_model(path: Path) -> LearnedPolicy:
-    """The stopping policy of an exported file (`specstop export`), checked against the schema."""
+    """The stopping policy of an exported file (`specstop export`), checked against the schema
+    and on a probe batch."""
     module, meta = read_stop_model(path)
     policy = LearnedPolicy(module, meta, str(path))
-    probe = torch.zeros(3, len(FEATURES))
-    probe[:, DEPTH] = 1.0
     for _ in range(2):  # TorchScript profiles the first calls: keep them out of decoding
-        policy.probabilities(probe)
+        check_probabilities(policy, path)
     return policy
+
+
+def probe_batch(rows: int = 3) -> torch.Tensor:
+    """[rows, F] features of the schema's width, spread over [0, 1], at depths 1..rows."""
+    probe = torch.linspace(0, 1, rows)[:, None].repeat(1, len(FEATURES))
+    probe[:, DEPTH] = torch.arange(1, rows + 1, dtype=torch.float32)
+    return probe
+
+
+def check_probabilities(policy: LearnedPolicy, path: Path) -> None:
+    """Refuse a model that does not map [N, F] features to N probabilities (finite, in [0, 1])."""
+    probe = probe_batch()
+    n, width = probe.shape
+    try:
+        p = policy.probabilities(probe)
+    except RuntimeError as err:  # TorchScript's own message is the last line of its traceback
+        last = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+        raise SpecstopError(f"{path}: the model does not accept [N, {width}] features "
+                            f"({last})") from err
+    if not isinstance(p, torch.Tensor) or tuple(p.shape) != (n,):
+        shape = list(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+        raise SpecstopError(f"{path}: the model returns {shape} for {n} rows, not one "
+                            f"probability per row [{n}]")
+    if not bool((torch.isfinite(p) & (p >= 0) & (p <= 1)).all()):
+        raise SpecstopError(f"{path}: the model returns {p.tolist()} for {n} rows, not "
+                            f"probabilities in [0, 1]")

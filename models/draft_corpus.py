@@ -10,24 +10,14 @@ batch, so an interrupted run resumes at the next missing shard.
 from __future__ import annotations
 
 import hashlib
-import json
-import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from specstop.common.files import remove_temp_files, write_atomic, write_json
-
-
-@dataclass(frozen=True)
-class CorpusConfig:
-    samples_per_prompt: int = 3  # the first greedy, the rest sampled at `temperature`
-    temperature: float = 0.8
-    max_new_tokens: int = 128
-    batch_size: int = 16
-    top_k: int = 16  # teacher probabilities kept per position
+from specstop.common.files import remove_temp_files, resume_or_set_aside, write_atomic
+from specstop.common.params import CorpusConfig
 
 
 @dataclass
@@ -40,17 +30,14 @@ class Sequence:
 
 
 def build_corpus(model, tokenizer, prompts: list[str], folder: Path, config: CorpusConfig,
-                 seed: int, desc: str) -> list[Sequence]:
+                 seed: int, desc: str, stale_root: Path) -> list[Sequence]:
     """Generate (or resume) the shards for `prompts` under `folder`; return every sequence.
 
     Shards resume only a run with the same prompts, settings, seed and target (`recipe.json`);
-    otherwise the folder starts over."""
-    recipe = {"config": asdict(config), "seed": seed, "target": model.name_or_path,
+    otherwise the old shards are moved under `stale_root` and the folder starts afresh."""
+    recipe = {"config": config.model_dump(), "seed": seed, "target": model.name_or_path,
               "prompts": hashlib.sha256("\0".join(prompts).encode()).hexdigest()}
-    path = folder / "recipe.json"
-    if not path.is_file() or json.loads(path.read_text()) != recipe:
-        shutil.rmtree(folder, ignore_errors=True)
-        write_json(path, recipe)
+    resume_or_set_aside(folder, recipe, stale_root, f"draft corpus {folder}")
     remove_temp_files(folder)  # of shards a killed run was writing
     jobs = [(p, s) for p in prompts for s in range(config.samples_per_prompt)]
     batches = [jobs[i:i + config.batch_size] for i in range(0, len(jobs), config.batch_size)]

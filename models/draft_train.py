@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import random
 import signal
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -25,31 +24,30 @@ import torch.nn.functional as F
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, Sampler
 
+from specstop.common.params import DraftTrainConfig
+from specstop.decoder.models import native_bf16
+
 from .draft_corpus import Sequence
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    max_minutes: float = 4.0
-    max_epochs: int = 20
-    batch_size: int = 8
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 30
-    feature_loss_weight: float = 1.0  # feature-conditioned head only
-    feature_noise: float = 0.05  # uniform noise on input features (robustness to own errors)
-    unroll: int = 1  # feature head: passes fed with its own predicted features (deeper levels)
-    val_every_steps: int = 40  # also the checkpoint interval (a checkpoint after each validation)
-    patience: int = 4
-    precision: str = "bf16-mixed"
-    seed: int = 0
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """Lightning's precision for `precision`: 'auto' trains in bf16-mixed only where bf16 is
+    native (the rule `models.dtype: auto` follows), else in 32-true."""
+    if precision != "auto":
+        return precision
+    return "bf16-mixed" if native_bf16(device) else "32-true"
+
+
+def _device() -> torch.device:
+    """The device Lightning's `accelerator="auto"` trains on."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class DraftDistiller(pl.LightningModule):
     """Teacher-forced distillation of a compact draft or a feature-conditioned head."""
 
     def __init__(self, draft: torch.nn.Module, family: str, vocab_ids: torch.Tensor | None,
-                 vocab_size: int, config: TrainConfig) -> None:
+                 vocab_size: int, config: DraftTrainConfig) -> None:
         super().__init__()
         self.draft, self.family, self.config = draft, family, config
         ids = torch.arange(vocab_size) if vocab_ids is None else vocab_ids
@@ -258,7 +256,7 @@ def fit(module: DraftDistiller, train: list[Sequence], val: list[Sequence], fold
         logger: pl.loggers.Logger | None) -> dict:
     """Train with checkpoint/resume under `folder`; return the final validation metrics.  On
     SIGTERM Lightning stops after the current batch; the process then exits with status 143
-    and a re-run resumes from the last checkpoint."""
+    (130 on Ctrl-C) and a re-run resumes from the last checkpoint."""
     config = module.config
     pl.seed_everything(config.seed, verbose=False)
     ckpt_dir = Path(folder) / "checkpoints"
@@ -272,7 +270,8 @@ def fit(module: DraftDistiller, train: list[Sequence], val: list[Sequence], fold
                                               monitor="val_loss", save_on_train_epoch_end=False)
     trainer = pl.Trainer(
         max_epochs=config.max_epochs, max_time={"minutes": config.max_minutes},
-        accelerator="auto", devices=1, precision=config.precision, logger=logger or False,
+        accelerator="auto", devices=1, precision=resolve_precision(config.precision, _device()),
+        logger=logger or False,
         callbacks=[checkpoint, pl.callbacks.EarlyStopping("val_loss", patience=config.patience),
                    LearningCurve(Path(folder) / "curve.csv"), ExactResume(batches)],
         val_check_interval=min(config.val_every_steps, steps_per_epoch),
@@ -288,4 +287,8 @@ def fit(module: DraftDistiller, train: list[Sequence], val: list[Sequence], fold
         metrics = trainer.validate(module, val_loader, verbose=False)[0]
     except SIGTERMException:  # Lightning stops the run with exit status 0: not a success
         raise SystemExit(128 + signal.SIGTERM) from None
+    except SystemExit:
+        if trainer.interrupted:  # Lightning turns Ctrl-C into exit(1): the CLI's exit 130
+            raise KeyboardInterrupt from None
+        raise
     return {k: float(v) for k, v in metrics.items()}

@@ -11,13 +11,14 @@ best fixed).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from specstop.common.errors import SpecstopError
+from specstop.common.params import StopTrainConfig, TrackingStore
 from specstop.common.files import write_json
 from specstop.features import feature_index
 
@@ -32,45 +33,6 @@ TRANSFORMERS_THRESHOLD = 0.4
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """The `train` section of params.yaml (every key optional)."""
-
-    data: Path = Path("data/collect")
-    out: Path = Path("data/train")
-    metrics: Path = Path("metrics/train.json")
-    plots: Path = Path("metrics/train_plots")
-    tracking_uri: str = tracking.DEFAULT_URI
-    experiment: str = "specstop-train"
-    families: tuple[str, ...] = tuple(FITTERS)
-    label: str = "hard"
-    class_weight: str = "balanced"
-    early_stop_fraction: float = 0.15
-    seed: int = 0
-    search_trials: int = 0
-    rho_iterations: int = 5
-    threshold_grid: int = 200
-    charge_decision_latency: bool = True
-    hyperparameters: dict = field(default_factory=dict)  # family -> its section
-
-    @classmethod
-    def from_params(cls, section: dict) -> "TrainConfig":
-        known = {f.name for f in fields(cls)} - {"hyperparameters"}
-        unknown = set(section) - known - set(FITTERS)
-        if unknown:
-            raise SpecstopError(f"params.yaml: unknown key(s) in 'train': {sorted(unknown)}")
-        families = tuple(section.get("families", FITTERS))
-        bad = [f for f in families if f not in FITTERS]
-        if bad:
-            raise SpecstopError(f"train.families: unknown {bad} (choose from {list(FITTERS)})")
-        values = {k: v for k, v in section.items() if k in known}
-        for name in ("data", "out", "metrics", "plots"):
-            if name in values:
-                values[name] = Path(values[name])
-        values["families"] = families
-        return cls(**values, hyperparameters={f: dict(section.get(f) or {}) for f in FITTERS})
-
-
-@dataclass(frozen=True)
 class Bench:
     """What every entry is scored against: the val replay and labelled rows."""
 
@@ -81,7 +43,8 @@ class Bench:
     y_labelled: np.ndarray  # [m] hard labels
     static: rules.Tuned  # best fixed gamma
     oracle: SimResult
-    config: TrainConfig
+    config: StopTrainConfig
+    store: TrackingStore  # where the runs are logged
 
 
 @dataclass
@@ -120,13 +83,13 @@ class Report:
     metrics: dict
 
 
-def run(config: TrainConfig) -> Report:
+def run(config: StopTrainConfig, store: TrackingStore) -> Report:
     """Train, score, track and save; returns what was written to the metrics file."""
-    uri = tracking.tracking_uri(config.tracking_uri)
+    uri = tracking.tracking_uri(store.uri)
     tracking.check(uri)  # fails fast, before the work
     dataset = data.load(config.data, config.label)
-    bench = _bench(dataset, config)
-    tracking.start(uri, config.experiment)
+    bench = _bench(dataset, config, store)
+    tracking.start(uri, store.experiment)
     entries = _baselines(bench)
     common = {"label": config.label, "class_weight": config.class_weight,
               "feature_schema_version": dataset.schema_version,
@@ -144,7 +107,7 @@ def run(config: TrainConfig) -> Report:
     return Report(entries, bench, winner, metrics)
 
 
-def _bench(dataset: data.Dataset, config: TrainConfig) -> Bench:
+def _bench(dataset: data.Dataset, config: StopTrainConfig, store: TrackingStore) -> Bench:
     costs = CostModel.load(config.data / "costs.json")
     replay = Replay.from_rows(dataset.val.rows, config.label)
     if replay.max_depth > costs.max_depth:
@@ -153,7 +116,7 @@ def _bench(dataset: data.Dataset, config: TrainConfig) -> Bench:
     X_labelled, y_labelled = dataset.val.labelled()
     return Bench(replay, costs, dataset.val.features, X_labelled, y_labelled,
                  rules.best_fixed(replay, costs), replay.simulate(replay.oracle(costs), costs),
-                 config)
+                 config, store)
 
 
 def _baselines(bench: Bench) -> dict[str, Entry]:
@@ -197,7 +160,7 @@ def _family(family: str, dataset: data.Dataset, bench: Bench, common: dict) -> E
     X, y, groups = dataset.train.examples(config.label)
     fit = fit_data(X, y, groups, config.class_weight, config.early_stop_fraction, config.seed)
     with tracking.run(family) as run_id:
-        hp = config.hyperparameters[family]
+        hp = config.hyperparameters(family)
         if config.search_trials > 0:
             hp = _search(family, fit, hp, config)
         model = FITTERS[family](fit, hp, config.seed)
@@ -229,7 +192,7 @@ def _score(name: str, model: StopModel, bench: Bench) -> Entry:
     return Entry(name, quality, tuned, latency, model, importance)
 
 
-def _search(family: str, fit: FitData, base: dict, config: TrainConfig) -> dict:
+def _search(family: str, fit: FitData, base: dict, config: StopTrainConfig) -> dict:
     """Optuna: minimise the held-out prompts' cross-entropy; one nested run per trial."""
     import optuna
 
@@ -293,7 +256,7 @@ def _curves(entries: dict[str, Entry], bench: Bench) -> tuple[dict, dict, dict]:
     return roc, calibration, speed
 
 
-def _metrics(entries: dict[str, Entry], bench: Bench, config: TrainConfig) -> dict:
+def _metrics(entries: dict[str, Entry], bench: Bench, config: StopTrainConfig) -> dict:
     out = {name: entry.metrics(bench) for name, entry in entries.items()}
     replay = bench.replay
     out["oracle"] = bench.oracle.as_dict()
@@ -352,8 +315,8 @@ def _summary(entries: dict[str, Entry], bench: Bench, dataset: data.Dataset,
         for name, e in entries.items() if e.model is not None}
     return {"winner": winner, "feature_schema_version": dataset.schema_version,
             "dataset_digest": dataset.digest, "label": config.label,
-            "tracking_uri": tracking.tracking_uri(config.tracking_uri),
-            "experiment": config.experiment, "families": families,
+            "tracking_uri": tracking.tracking_uri(bench.store.uri),
+            "experiment": bench.store.experiment, "families": families,
             "baselines_run_id": entries["fixed"].run_id,
             "best_fixed_gamma": int(bench.static.parameter),
             "threshold_rule": "after level d, continue while some node has p > threshold",

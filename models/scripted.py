@@ -128,11 +128,18 @@ def metadata(family: str, summary: dict) -> dict:
             "mlflow_run_id": entry["run_id"], "mlflow_experiment": summary["experiment"]}
 
 
-def save(module: torch.jit.ScriptModule, meta: dict, path: Path) -> None:
-    """torch.jit.save with the metadata as `_extra_files`, atomically."""
+def save(module: torch.jit.ScriptModule, meta: dict, path: Path,
+         check: Callable[[Path], None] | None = None) -> None:
+    """torch.jit.save with the metadata as `_extra_files`, atomically: `check(file)` runs on
+    the written file before it replaces `path`; if it raises, `path` is left as it was."""
     if meta["feature_schema_version"] != SCHEMA_VERSION:
         raise SpecstopError(f"the models were trained on feature schema version "
                             f"{meta['feature_schema_version']}, this specstop computes "
                             f"{SCHEMA_VERSION}; re-run collect and train")
     extra = {META_FILE: json.dumps(meta, indent=1)}
-    write_atomic(path, lambda tmp: torch.jit.save(module, str(tmp), _extra_files=extra))
+    def write(tmp: Path) -> None:
+        torch.jit.save(module, str(tmp), _extra_files=extra)
+        if check is not None:
+            check(tmp)
+
+    write_atomic(path, write)

@@ -22,12 +22,14 @@ start its rounds at other positions of the output and see other rounds.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from specstop.decoder.costs import field_problem, seconds_by_width
 from specstop.features.dataset import DataError
 
 from .data import ROUND_KEYS
@@ -44,16 +46,19 @@ class CostModel:
 
     @classmethod
     def load(cls, path: Path) -> "CostModel":
+        """The cost model of `costs.json`; a DataError names the file and the bad field."""
         try:
             raw = json.loads(Path(path).read_text())
-            return cls(tuple(int(n) for n in raw["tree_sizes"]),
-                       {int(k): float(v) for k, v in raw["target"]["seconds"].items()},
-                       {int(k): float(v) for k, v in raw["draft"]["seconds"].items()},
-                       float(raw.get("decision_seconds", 0.0)))
+            return cls(_tree_sizes(raw["tree_sizes"]),
+                       seconds_by_width(raw["target"]["seconds"], "target.seconds"),
+                       seconds_by_width(raw["draft"]["seconds"], "draft.seconds"),
+                       _decision_seconds(raw.get("decision_seconds", 0.0)))
         except FileNotFoundError:
             raise DataError(f"{path}: cost model not found (run `specstop collect` first)")
+        except OSError as err:
+            raise DataError(f"{path}: cannot read the cost model ({err.strerror})") from err
         except (KeyError, TypeError, ValueError) as err:
-            raise DataError(f"{path}: not a cost model (bad or missing field {err})") from err
+            raise DataError(f"{path}: not a cost model ({field_problem(err)})") from err
 
     @property
     def max_depth(self) -> int:
@@ -78,6 +83,22 @@ class CostModel:
         after level d (index d; the last entry is unused)."""
         cost = self.round_cost(extra)
         return np.append(np.diff(cost), np.inf)
+
+
+def _tree_sizes(raw: object) -> tuple[int, ...]:
+    """Nodes of the tree cut at depth 0..D: a non-empty increasing list of positive integers."""
+    sizes = tuple(int(n) for n in raw) if isinstance(raw, list) else ()
+    if not sizes or sizes[0] < 1 or any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"field 'tree_sizes' must be an increasing list of positive node "
+                         f"counts, got {raw!r}")
+    return sizes
+
+
+def _decision_seconds(raw: object) -> float:
+    seconds = float(raw)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"field 'decision_seconds' must be finite and >= 0, got {raw!r}")
+    return seconds
 
 
 def _at(seconds: dict[int, float], width: int) -> float:

@@ -18,8 +18,8 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 from specstop.common.errors import SpecstopError, first_line
+from specstop.common.params import DEFAULT_TRACKING_URI
 
-DEFAULT_URI = "sqlite:///mlflow.db"
 PROBE_TIMEOUT_S = 3.0  # a tracking server that does not answer /health within this is down
 FIX = "fix `mlflow.tracking_uri` in params.yaml (or MLFLOW_TRACKING_URI, which overrides it)"
 SCHEMES = ("", "file", "sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks",
@@ -29,7 +29,7 @@ SQLITE_HEADER = b"SQLite format 3\x00"
 
 def tracking_uri(configured: str | None) -> str:
     """MLFLOW_TRACKING_URI if set, else the params' `train.tracking_uri`, else the SQLite file."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or configured or DEFAULT_URI
+    return os.environ.get("MLFLOW_TRACKING_URI") or configured or DEFAULT_TRACKING_URI
 
 
 def start(uri: str, experiment: str) -> None:

@@ -12,7 +12,6 @@ measured best (`metrics/draft.json`).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -24,7 +23,8 @@ from specstop.decoder.costs import measure_verify_costs
 from specstop.common.errors import SpecstopError
 from specstop.decoder.loop import DecodeConfig
 from specstop.decoder.policy import ConfidenceThreshold, FixedDepth
-from specstop.decoder.runtime import Runtime
+from specstop.common.params import BenchConfig, CollectConfig, Params
+from specstop.decoder.runtime import TRUNCATED_PREFIX, Runtime
 from specstop.decoder.stop_model import LearnedPolicy, load_stop_model
 
 from . import bench_report
@@ -32,29 +32,10 @@ from .bench_decode import Method, bench_methods, decoder_method
 from .decode_args import decode_config, runtime_from
 from .export import WINNER_FILE
 from .hf_assisted import hf_method, load_assistant, speculation_settings
-from .params import config_from, section
+from .params import require
 from .prompt_splits import read_split
 
 DEFAULT_GAMMA = 4
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """The `bench` section of params.yaml (every key optional)."""
-
-    prompts: int = 8  # test prompts (file order)
-    prompt_dir: Path = Path("data/prompts")
-    max_new_tokens: int = 96
-    temperature: float = 0.7  # the sampling run (greedy always runs)
-    top_p: float = 1.0
-    seed: int = 0
-    export: Path = Path("data/export")
-    train: Path = Path("data/train")
-    train_metrics: Path = Path("metrics/train.json")
-    draft_metrics: Path = Path("metrics/draft.json")
-    assistant_draft: str | None = "data/draft/sweep/compact-l2-v4096"
-    metrics: Path = Path("metrics/bench.json")
-    plots: Path = Path("metrics/bench_plots")
 
 
 @dataclass(frozen=True)
@@ -70,19 +51,20 @@ class Plan:
     simulated: dict[str, float]  # method -> simulated speedup on val (greedy)
 
 
-def run(params: dict) -> None:
+def run(params: Params) -> None:
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # assisted generation's own deprecation notices
-    config = config_from(BenchConfig, section(params, "bench"), "bench")
-    models, collect = section(params, "models"), section(params, "collect")
-    runtime = runtime_from(argparse.Namespace(), models, section(params, "costs"),
-                           need_draft=True)
-    prompts, prompt_ids = _test_prompts(runtime, config)
-    plan = _plan(config)
-    assistant, assistant_note = load_assistant(
-        runtime, config.assistant_draft, str(models.get("draft", "layers:2")),
-        Path(models.get("cache_dir", "data/models/target")))
+    config, models, collect = params.bench, params.models, params.collect
+    plan = _plan(config)  # every input of the earlier stages first, then the models
+    test = _test_split(config)
+    if not models.draft.startswith(TRUNCATED_PREFIX):
+        require(Path(models.draft), "draft")
+    runtime = runtime_from(models, params.costs, need_draft=True)
+    prompts = [runtime.encode(t, chat=False, special_tokens=False) for t in test["text"]]
+    prompt_ids = test["prompt_id"]
+    assistant, assistant_note = load_assistant(runtime, config.assistant_draft, models.draft,
+                                               models.target_cache)
     if assistant is None:
         print(f"bench: no transformers assisted-generation peer: {assistant_note}")
     tree, results = _base_config(config, collect, 0.0), {}
@@ -91,8 +73,8 @@ def run(params: dict) -> None:
         results[mode] = bench_methods(runtime, prompts, methods, config.seed,
                                       progress=f"bench {mode}")
     setup = {"prompts": len(prompts), "max_new_tokens": config.max_new_tokens,
-             "temperature": config.temperature, "target": str(models.get("target", "embedded")),
-             "draft": str(models.get("draft", "layers:2")), "dtype": str(runtime.target.dtype),
+             "temperature": config.temperature, "target": models.target, "draft": models.draft,
+             "dtype": str(runtime.target.dtype),
              "device": str(runtime.target.device), "threads": torch.get_num_threads(),
              "ti_width": tree.ti_width, "max_depth": tree.max_depth,
              "sd_gamma": plan.sd_gamma, "static_gamma": plan.static_gamma,
@@ -107,18 +89,19 @@ def run(params: dict) -> None:
     print(f"bench: metrics in {config.metrics}, per-prompt CSV and plots in {config.plots}")
 
 
-def _test_prompts(runtime: Runtime, config: BenchConfig) -> tuple[list[torch.Tensor], list[str]]:
-    """The first `prompts` test prompts (already chat-rendered) as ids, and their ids."""
+def _test_split(config: BenchConfig) -> dict[str, list[str]]:
+    """The first `prompts` test prompts (already chat-rendered) and their ids."""
     table = read_split(config.prompt_dir, "test")
-    texts, ids = table["text"][: config.prompts], table["prompt_id"][: config.prompts]
-    if not texts:
+    table = {column: values[: config.prompts] for column, values in table.items()}
+    if not table["text"]:
         raise SpecstopError(f"{config.prompt_dir / 'test.parquet'}: no test prompt")
-    return [runtime.encode(t, chat=False, special_tokens=False) for t in texts], ids
+    return table
 
 
 def _plan(config: BenchConfig) -> Plan:
-    summary = _read_json(config.train / "summary.json", "specstop train")
-    train = _read_json(config.train_metrics, "specstop train")
+    summary = _read_json(config.train / "summary.json", "train")
+    train = _read_json(config.train_metrics, "train")
+    require(config.export / WINNER_FILE, "export")
     draft = _read_json(config.draft_metrics, None) if config.draft_metrics.is_file() else {}
     static_gamma = int(summary.get("best_fixed_gamma") or DEFAULT_GAMMA)
     winner = load_stop_model(config.export / WINNER_FILE)
@@ -136,16 +119,18 @@ def _plan(config: BenchConfig) -> Plan:
 
 
 def _read_json(path: Path, stage: str | None) -> dict:
-    if not path.is_file():
-        raise SpecstopError(f"{path}: not found (run `{stage}` first)")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(require(path, stage).read_text())
+    except ValueError as err:
+        raise SpecstopError(f"{path}: not valid JSON ({err})") from err
 
 
-def _base_config(config: BenchConfig, collect: dict, temperature: float) -> DecodeConfig:
+def _base_config(config: BenchConfig, collect: CollectConfig, temperature: float) -> DecodeConfig:
     """The collect stage's trees with the bench's budget and sampling."""
-    options = {**collect, "max_new_tokens": config.max_new_tokens, "temperature": temperature,
-               "top_p": config.top_p, "lossy": False}
-    return decode_config(argparse.Namespace(), options, "ar")
+    tree = collect.model_copy(update={"max_new_tokens": config.max_new_tokens,
+                                      "temperature": temperature, "top_p": config.top_p,
+                                      "lossy": False})
+    return decode_config(tree, "ar")
 
 
 def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan,

@@ -9,10 +9,14 @@ import os
 import sys
 from pathlib import Path
 
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # before transformers is imported
+
 from specstop.common.errors import SpecstopError
+from specstop.common.params import Params
 from specstop.decoder.loop import DecodeConfig
 
-from .params import DEFAULT_PARAMS, load_params, section
+from .decode_args import with_flags
+from .params import DEFAULT_PARAMS, checked_params, read_params_file
 
 
 STAGES = {  # DVC stages, in pipeline order; each is the module pipeline/<name>.py
@@ -72,21 +76,25 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = _parser().parse_args(argv)
+    path = args.params or DEFAULT_PARAMS
     try:
-        params = load_params(args.params or DEFAULT_PARAMS, required=args.params is not None)
+        raw = read_params_file(path, required=args.params is not None)
+        params = checked_params(raw, path)  # the whole file, before any work
         if args.command in STAGES:  # each stage is the module of its name: run(params)
             importlib.import_module(f".{args.command}", __package__).run(params)
         elif args.command == "generate":
-            _generate(args, params)
+            _generate(args, with_flags(params, args, str(path)))
         elif args.command == "workspace":
-            _workspace(args, params)
+            _workspace(args, raw)
         elif args.command == "bench-decode":
-            _bench_decode(args, params)
+            _bench_decode(args, with_flags(params, args, str(path)))
     except SpecstopError as err:
         print(f"specstop: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"specstop: interrupted; outputs already written are kept", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -96,52 +104,48 @@ def _quiet_transformers() -> None:
     logging.disable_progress_bar()
 
 
-def _generate(args: argparse.Namespace, params: dict) -> None:
+def _generate(args: argparse.Namespace, params: Params) -> None:
     from specstop.decoder.stop_model import LearnedPolicy
-    from .decode_args import decode_config, merged, runtime_from, seed_from, stopping_policy
+    from .decode_args import decode_config, runtime_from, stopping_policy
 
     _quiet_transformers()
-    decode = section(params, "decode")
-    method = merged(args, decode, "method", "ti-mcsd")
-    config = decode_config(args, decode, method)
-    policy = stopping_policy(args, decode)
-    runtime = runtime_from(args, section(params, "models"), section(params, "costs"),
-                           need_draft=method != "ar")
+    decode = params.decode
+    config = decode_config(decode, decode.method)
+    policy = stopping_policy(decode)
+    runtime = runtime_from(params.models, params.costs, need_draft=decode.method != "ar")
     prompt = runtime.encode(args.prompt, chat=not args.no_chat)
-    generation = runtime.generate(prompt, config, policy, seed_from(args, decode))
+    generation = runtime.generate(prompt, config, policy, decode.seed)
     print(runtime.tokenizer.decode(generation.tokens, skip_special_tokens=True))
     if isinstance(policy, LearnedPolicy):
         print(policy.summary())
     print(generation.stats.summary())
 
 
-def _workspace(args: argparse.Namespace, params: dict) -> None:
+def _workspace(args: argparse.Namespace, raw: dict) -> None:
     from .workspace import make_workspace
 
     root = (args.params or DEFAULT_PARAMS).resolve().parent
-    dest = make_workspace(root, args.dir, args.profile, params)
+    dest = make_workspace(root, args.dir, args.profile, raw)
     print(f"workspace {dest} ({args.profile or 'no'} profile): cd {dest} && dvc repro")
 
 
-def _bench_decode(args: argparse.Namespace, params: dict) -> None:
+def _bench_decode(args: argparse.Namespace, params: Params) -> None:
     from .bench_decode import bench, humaneval_problems, score_humaneval, table
     from .prompt_sources import humaneval_request
-    from .decode_args import decode_config, runtime_from, seed_from, stopping_policy
+    from .decode_args import decode_config, runtime_from, stopping_policy
 
     _quiet_transformers()
     if args.execute_code and args.prompt:
         raise SpecstopError("--execute-code needs HumanEval prompts, not --prompt")
-    decode = section(params, "decode")
+    decode = params.decode
     methods = ["ar", *[m for m in args.methods if m != "ar"]]
-    configs = [_with_lossy(decode_config(args, decode, m.removesuffix(LOSSY_SUFFIX)),
+    configs = [_with_lossy(decode_config(decode, m.removesuffix(LOSSY_SUFFIX)),
                            m.endswith(LOSSY_SUFFIX)) for m in methods]
-    runtime = runtime_from(args, section(params, "models"), section(params, "costs"),
-                           need_draft=len(methods) > 1)
+    runtime = runtime_from(params.models, params.costs, need_draft=len(methods) > 1)
     problems = [] if args.prompt else humaneval_problems(args.prompts)
     texts = args.prompt or [humaneval_request(p) for p in problems]
     prompts = [runtime.encode(t) for t in texts]
-    results = bench(runtime, prompts, configs, stopping_policy(args, decode),
-                    seed_from(args, decode))
+    results = bench(runtime, prompts, configs, stopping_policy(decode), decode.seed)
     if args.execute_code:
         score_humaneval(runtime, results, problems)
     print(f"{len(prompts)} prompts, dtype {runtime.target.dtype}, device {runtime.target.device}")

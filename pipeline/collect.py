@@ -4,15 +4,13 @@ token (features, hard and soft labels) as Parquet parts, plus the measured cost 
 Prompts are cut into fixed parts of `part_size` prompts; with `torchrun`, rank r of W takes
 parts r, r+W, ...  Each part is written atomically and a re-run skips finished parts, so an
 interrupted run resumes, and the union of the parts does not depend on the number of processes.
+Parts logged with other settings are moved to `out/stale/`, after the models have loaded.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,16 +18,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specstop.common.files import remove_temp_files, write_json
+from specstop.common.files import remove_temp_files, resume_or_set_aside, write_json
+from specstop.common.params import CollectConfig, ModelsConfig, Params
 from specstop.decoder.loop import DecodeConfig, DecodeStats
 from specstop.decoder.policy import FixedDepth
-from specstop.decoder.runtime import Runtime, load_runtime
+from specstop.decoder.runtime import TRUNCATED_PREFIX, Runtime, load_runtime
 from specstop.features.dataset import RoundLogger, read_parts, write_part, write_schema
 
 from . import cost_model
 from .decode_args import decode_config
 from .prompt_splits import read_split
-from .params import section
+from .params import require
+
+STALE = "stale"  # parts logged under other settings are moved here, never deleted
 
 
 @dataclass(frozen=True)
@@ -75,30 +76,29 @@ def _prompt_seed(seed: int, prompt_id: str) -> int:
         % (1 << 62)
 
 
-def run(params: dict) -> None:
-    collect, models = section(params, "collect"), section(params, "models")
-    out = Path(collect.get("out", "data/collect"))
+def run(params: Params) -> None:
+    collect, models = params.collect, params.models
+    out = collect.out
     rank, world = _init_distributed()
-    config = decode_config(argparse.Namespace(), collect, collect.get("method", "ti-mcsd"))
-    parts = plan_parts(Path(collect.get("prompts", "data/prompts")),
-                       list(collect.get("splits", ["train", "val"])),
-                       int(collect.get("part_size", 4)), collect.get("max_prompts"))
+    config = decode_config(collect, collect.method)
+    if not models.draft.startswith(TRUNCATED_PREFIX):
+        require(Path(models.draft), "draft")
+    parts = plan_parts(collect.prompts, collect.splits, collect.part_size, collect.max_prompts)
+    runtime = load_runtime(models.target, models.draft, models.dtype, _device(models.device),
+                           models.target_cache)  # every check before the logs are touched
     if rank == 0:
-        _start_over_if_changed(out, _fingerprint(collect, models))
+        resume_or_set_aside(out / "parts", _fingerprint(collect, models), out / STALE,
+                            f"collect: the parts logged in {out / 'parts'}")
         remove_temp_files(out)  # of parts a killed run was writing
     _barrier(world)
     mine = [p for i, p in enumerate(parts) if i % world == rank]
     todo = [p for p in mine if not (out / "parts" / f"{p.name}.parquet").is_file()]
-    runtime = load_runtime(models.get("target", "embedded"), models.get("draft", "layers:2"),
-                           models.get("dtype", "auto"), _device(models.get("device", "auto")),
-                           Path(models.get("cache_dir", "data/models/target")))
     write_schema(out)
     progress = tqdm(total=sum(len(p.prompt_ids) for p in todo), desc=f"collect[{rank}/{world}]",
                     unit="prompt", mininterval=5)
     start, totals = time.perf_counter(), DecodeStats()
     for part in todo:
-        logger = collect_part(runtime, part, config, int(collect.get("seed", 0)), progress,
-                              totals)
+        logger = collect_part(runtime, part, config, collect.seed, progress, totals)
         write_part(logger.table(), out / "parts" / f"{part.name}.parquet")
     progress.close()
     elapsed = time.perf_counter() - start
@@ -109,34 +109,19 @@ def run(params: dict) -> None:
         table = cost_model.measure(runtime, config)
         torch.set_num_threads(threads)
         write_json(out / "costs.json", table)
-        summary = Path(collect.get("summary", "metrics/collect.json"))
-        write_json(summary, _summary(out, parts, elapsed, world))
+        write_json(collect.summary, _summary(out, parts, elapsed, world))
 
 
-def _fingerprint(collect: dict, models: dict) -> dict:
+def _fingerprint(collect: CollectConfig, models: ModelsConfig) -> dict:
     """What the logged rows depend on: the options, the models and the draft's files."""
-    draft = Path(str(models.get("draft", "")))
+    draft = Path(models.draft)
     files = sorted(f for f in draft.rglob("*") if f.is_file()) if draft.is_dir() else []
     digest = hashlib.sha256()
     for f in files:
         digest.update(f.relative_to(draft).as_posix().encode())
         digest.update(f.read_bytes())
-    return {"collect": collect, "models": models, "draft_files": digest.hexdigest()}
-
-
-def _start_over_if_changed(out: Path, fingerprint: dict) -> None:
-    """Finished parts resume a run only if they were logged with the same options and models;
-    otherwise they are removed (printed) and the collection starts over."""
-    path = out / "run.json"
-    previous = json.loads(path.read_text()) if path.is_file() else None
-    parts = out / "parts"
-    if previous != json.loads(json.dumps(fingerprint)) and parts.is_dir():
-        stale = len(list(parts.glob("*.parquet")))
-        if stale:
-            print(f"collect: options, models or draft changed since {stale} parts were logged; "
-                  f"starting over")
-        shutil.rmtree(parts)
-    write_json(path, fingerprint)
+    return {"collect": collect.model_dump(mode="json"), "models": models.model_dump(mode="json"),
+            "draft_files": digest.hexdigest()}
 
 
 def _summary(out: Path, parts: list, elapsed: float, world: int) -> dict:

@@ -7,141 +7,122 @@
    on the held-out responses, step cost ratio c, the `sd` speedup predicted from alpha, c and
    the measured verification cost, and the `sd` speedup measured at the best γ.
 4. The draft with the best measured speedup is copied to `out/default`; metrics/draft.json and
-   the DVC plot data describe the sweep.
+   the DVC plot data describe the sweep; a best draft slower than `ar` ends with a warning.
+
+Corpora and drafts made with other settings are moved to `out/stale/`, never deleted.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from specstop.common.errors import SpecstopError
+from specstop.common.files import resume_or_set_aside, write_atomic, write_json
+from specstop.common.params import (DraftConfig, DraftSpec, DraftTrainConfig, ModelsConfig,
+                                    Params, TrackingStore)
 from specstop.decoder.costs import VerifyCosts, measure_verify_costs
 from specstop.decoder.draft_models import (build_compact, build_feature_head,
                                            most_frequent_tokens, read_meta, save_draft)
-from specstop.common.errors import SpecstopError
-from specstop.common.files import write_atomic, write_json
 from specstop.decoder.loop import DecodeConfig
-from specstop.decoder.models import load_model, resolve_device, resolve_dtype
+from specstop.decoder.models import cpu_has_bf16, load_model, resolve_device, resolve_dtype
 from specstop.decoder.runtime import load_runtime
-from specstop.models.draft_corpus import CorpusConfig, Sequence, build_corpus, token_counts
-from specstop.models.draft_train import DraftDistiller, TrainConfig, fit, read_curve
+from specstop.models.draft_corpus import Sequence, build_corpus, token_counts
+from specstop.models.draft_train import DraftDistiller, fit, read_curve, resolve_precision
 from specstop.models.tracking import check, tracking_uri
 
 from .bench_decode import bench
-from .params import mlflow_settings, section
 from .prompt_splits import read_split
 
-
-@dataclasses.dataclass(frozen=True)
-class DraftSpec:
-    family: str  # compact | feature
-    layers: int
-    vocab: int  # output vocabulary size; 0 = the full vocabulary
-    max_minutes: float | None = None  # overrides draft.train.max_minutes
-
-    @property
-    def name(self) -> str:
-        return f"{self.family}-l{self.layers}-v{self.vocab or 'full'}"
+STALE = "stale"  # corpora and drafts made with other settings are moved here, never deleted
 
 
-def run(params: dict) -> None:
-    cfg, models = section(params, "draft"), section(params, "models")
-    out = Path(cfg.get("out", "data/draft"))
-    specs = _specs(cfg.get("sweep", []))
-    device = resolve_device(models.get("device", "auto"))
-    dtype = resolve_dtype(str(models.get("dtype", "auto")), device)
-    target_name, cache_dir = models.get("target", "embedded"), Path(models.get("cache_dir",
-                                                                               "data/models/target"))
-    seed = int(cfg.get("seed", 0))
-    tracking = mlflow_settings(params, "draft")
-    check(tracking_uri(tracking.get("tracking_uri")))  # before the corpus, not after
-    train, val, vocab = _corpora(cfg, target_name, dtype, device, cache_dir, out, seed)
+def run(params: Params) -> None:
+    cfg, models = params.draft, params.models
+    out, seed = cfg.out, cfg.seed
+    device = resolve_device(models.device)
+    dtype = resolve_dtype(models.dtype, device)
+    tracking = params.mlflow.store("draft")
+    check(tracking_uri(tracking.uri))  # before the corpus, not after
+    texts = {split: read_split(cfg.prompts, split)["text"][: cfg.max_prompts]
+             for split in ("val", "train")}
+    if not texts["train"] or not texts["val"]:
+        raise SpecstopError(f"{cfg.prompts}: the draft needs train and val prompts")
+    train_config = cfg.train.model_copy(
+        update={"precision": resolve_precision(cfg.train.precision, device)})
+    train, val, vocab = _corpora(cfg, texts, models, dtype, device, out)
     counts = token_counts(train, vocab)
 
-    train_config = TrainConfig(**cfg.get("train", {}))
-    for spec in specs:
+    for spec in cfg.sweep:
         folder = out / "sweep" / spec.name
-        config = train_config if spec.max_minutes is None else dataclasses.replace(
-            train_config, max_minutes=spec.max_minutes)
-        recipe = {"spec": dataclasses.asdict(spec), "train": dataclasses.asdict(config),
-                  "corpus": cfg.get("corpus", {}), "max_prompts": cfg.get("max_prompts"),
-                  "target": target_name, "seed": seed}
-        if _same_recipe(folder, recipe) and read_meta(folder) is not None:
+        config = train_config if spec.max_minutes is None else train_config.model_copy(
+            update={"max_minutes": spec.max_minutes})
+        recipe = {"spec": spec.model_dump(), "train": config.model_dump(),
+                  "corpus": cfg.corpus.model_dump(), "max_prompts": cfg.max_prompts,
+                  "target": models.target, "seed": seed}
+        if resume_or_set_aside(folder, recipe, out / STALE, f"draft: {folder}") \
+                and read_meta(folder) is not None:
             continue  # finished with these settings
-        _distil(spec, target_name, cache_dir, device, counts, train, val, folder, config,
-                tracking, seed)
+        _distil(spec, models, device, counts, train, val, folder, config, tracking, seed)
 
-    results = {spec.name: _measure(spec, out / "sweep" / spec.name, target_name, cfg, models)
-               for spec in specs}
+    results = {spec.name: _measure(spec, out / "sweep" / spec.name, cfg, models)
+               for spec in cfg.sweep}
     winner = max(results, key=lambda name: results[name]["measured_speedup"])
     _publish(out / "sweep" / winner, out / "default")
     best = results[winner]
-    write_json(Path(cfg.get("metrics", "metrics/draft.json")),
+    warning = _useless_draft_warning(best, train_config.precision)
+    write_json(cfg.metrics,
                {"alpha": best["alpha"], "c": best["c"], "default": winner,
                 "sd_speedup": best["measured_speedup"], "gamma": best["best_gamma"],
-                "drafts": results})
-    _write_plots(Path(cfg.get("plots", "metrics/draft_plots")), results, out / "sweep")
+                "precision": train_config.precision, "dtype": best["dtype"],
+                "cpu_native_bf16": cpu_has_bf16(), "warning": warning, "drafts": results})
+    _write_plots(cfg.plots, results, out / "sweep")
     print(_table(results, winner))
+    if warning:
+        print(f"specstop: warning: {warning}", file=sys.stderr)
 
 
-def _specs(raw: list) -> list[DraftSpec]:
-    if not raw:
-        raise SpecstopError("params draft.sweep: give at least one {family, layers, vocab}")
-    specs = []
-    for i, entry in enumerate(raw):
-        try:
-            minutes = entry.get("max_minutes")
-            spec = DraftSpec(str(entry["family"]), int(entry["layers"]), int(entry.get("vocab", 0)),
-                             None if minutes is None else float(minutes))
-        except (KeyError, TypeError, ValueError) as err:
-            raise SpecstopError(f"params draft.sweep[{i}]: expected family, layers, vocab "
-                                f"({err})") from err
-        if spec.family not in ("compact", "feature") or spec.layers < 1:
-            raise SpecstopError(f"params draft.sweep[{i}]: family must be compact or feature "
-                                f"and layers >= 1")
-        specs.append(spec)
-    return specs
+def _useless_draft_warning(best: dict, precision: str) -> str | None:
+    """A line naming the likely cause when even the best draft makes decoding slower than `ar`."""
+    if best["measured_speedup"] >= 1.0:
+        return None
+    return (f"the best draft ({best['name']}) decodes at {best['measured_speedup']:.2f}x `ar` "
+            f"(slower): alpha {best['alpha']:.3f}, c {best['c']:.3f}, {best['dtype']} on "
+            f"{'a CPU with' if cpu_has_bf16() else 'a CPU without'} native bf16, trained in "
+            f"{precision}; likely cause: {_likely_cause(best)}")
 
 
-def _corpora(cfg: dict, target_name: str, dtype: torch.dtype, device: torch.device,
-             cache_dir: Path, out: Path, seed: int) -> tuple[list[Sequence], list[Sequence], int]:
+def _likely_cause(best: dict) -> str:
+    if best["alpha"] < 0.45:
+        return "too little training (raise draft.train.max_minutes or the corpus)"
+    if best["dtype"] == "float32":
+        return "fp32 verification (a pass over several tokens costs far more than one step here)"
+    return f"a draft step too slow for its acceptance (c {best['c']:.3f})"
+
+
+def _corpora(cfg: DraftConfig, texts: dict[str, list[str]], models: ModelsConfig,
+             dtype: torch.dtype, device: torch.device,
+             out: Path) -> tuple[list[Sequence], list[Sequence], int]:
     """Train responses (sampled), held-out val responses (greedy), the target's vocabulary."""
-    corpus = CorpusConfig(**cfg.get("corpus", {}))
-    prompts_dir = Path(cfg.get("prompts", "data/prompts"))
-    limit = cfg.get("max_prompts")
-    target = load_model(target_name, dtype, device, cache_dir)
-    val = build_corpus(target.model, target.tokenizer, read_split(prompts_dir, "val")["text"][:limit],
-                       out / "corpus" / "val", dataclasses.replace(corpus, samples_per_prompt=1),
-                       seed, "val responses")
-    train = build_corpus(target.model, target.tokenizer, read_split(prompts_dir, "train")["text"][:limit],
-                         out / "corpus" / "train", corpus, seed, "train responses")
-    if not train or not val:
-        raise SpecstopError(f"{prompts_dir}: the draft needs train and val prompts")
+    target = load_model(models.target, dtype, device, models.target_cache)
+    val = build_corpus(target.model, target.tokenizer, texts["val"], out / "corpus" / "val",
+                       cfg.corpus.model_copy(update={"samples_per_prompt": 1}), cfg.seed,
+                       "val responses", out / STALE)
+    train = build_corpus(target.model, target.tokenizer, texts["train"], out / "corpus" / "train",
+                         cfg.corpus, cfg.seed, "train responses", out / STALE)
     return train, val, target.model.config.vocab_size
 
 
-def _same_recipe(folder: Path, recipe: dict) -> bool:
-    """True if `folder` was (or is being) trained with `recipe`; otherwise it is removed and
-    the recipe recorded, so a checkpoint resumes only the same training."""
-    path = folder / "recipe.json"
-    same = path.is_file() and json.loads(path.read_text()) == json.loads(json.dumps(recipe))
-    if not same:
-        shutil.rmtree(folder, ignore_errors=True)
-        write_json(path, recipe)
-    return same
-
-
-def _distil(spec: DraftSpec, target_name: str, cache_dir: Path, device: torch.device,
-            counts: torch.Tensor, train: list[Sequence], val: list[Sequence], folder: Path,
-            config: TrainConfig, tracking: dict, seed: int) -> None:
+def _distil(spec: DraftSpec, models: ModelsConfig, device: torch.device, counts: torch.Tensor,
+            train: list[Sequence], val: list[Sequence], folder: Path, config: DraftTrainConfig,
+            tracking: TrackingStore, seed: int) -> None:
     """Build one draft from an fp32 copy of the target, distil it, save the folder."""
-    target = load_model(target_name, torch.float32, device, cache_dir)
+    target = load_model(models.target, torch.float32, device, models.target_cache)
     eos = target.tokenizer.eos_token_id
     vocab_ids = None if not spec.vocab else most_frequent_tokens(
         counts, spec.vocab, [eos] if eos is not None else [])
@@ -161,16 +142,16 @@ def _distil(spec: DraftSpec, target_name: str, cache_dir: Path, device: torch.de
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)
 
 
-def _mlflow_logger(tracking: dict, spec: DraftSpec, folder: Path):
+def _mlflow_logger(tracking: TrackingStore, spec: DraftSpec, folder: Path):
     """An MLflow logger in the project's tracking store, continuing this draft's run on resume."""
     from pytorch_lightning.loggers import MLFlowLogger
 
-    uri = tracking_uri(tracking.get("tracking_uri"))
+    uri = tracking_uri(tracking.uri)
     run_file = folder / "mlflow_run_id"
     run_id = run_file.read_text().strip() if run_file.is_file() else None
     if run_id is not None and not _run_exists(uri, run_id):
         run_id = None  # the store was reset: log the resumed training as a new run
-    logger = MLFlowLogger(experiment_name=tracking.get("experiment", "specstop-draft"),
+    logger = MLFlowLogger(experiment_name=tracking.experiment,
                           tracking_uri=uri, run_name=spec.name, run_id=run_id)
     folder.mkdir(parents=True, exist_ok=True)
     logger.log_hyperparams({"family": spec.family, "layers": spec.layers,
@@ -190,26 +171,23 @@ def _run_exists(uri: str, run_id: str) -> bool:
     return True
 
 
-def _measure(spec: DraftSpec, folder: Path, target_name: str, cfg: dict, models: dict) -> dict:
+def _measure(spec: DraftSpec, folder: Path, cfg: DraftConfig, models: ModelsConfig) -> dict:
     """alpha, c, predicted and measured `sd` speedup of one draft, beside `ar`, same dtype."""
     meta = read_meta(folder)
     alpha = float(meta["train_metrics"]["val_alpha"])
-    runtime = load_runtime(target_name, str(folder), str(models.get("dtype", "auto")),
-                           str(models.get("device", "auto")),
-                           Path(models.get("cache_dir", "data/models/target")))
+    runtime = load_runtime(models.target, str(folder), models.dtype, models.device,
+                           models.target_cache)
     target_costs = measure_verify_costs(runtime.target, "target", [], repeats=10)
     draft_costs = measure_verify_costs(runtime.drafter.lm, "draft", [], repeats=10)
     c = draft_costs.seconds[1] / target_costs.seconds[1]
-    verify_path = Path(cfg.get("verify_costs", "data/costs/verify.json"))
-    verify = VerifyCosts.load(verify_path) if verify_path.is_file() else None
+    verify = VerifyCosts.load(cfg.verify_costs) if cfg.verify_costs.is_file() else None
     predicted = {g: _predicted_speedup(alpha, c, g, verify) for g in range(1, 9)}
     best_predicted = max(predicted, key=predicted.get)
-    evaluation = cfg.get("eval", {})
-    gammas = sorted({int(g) for g in evaluation.get("gammas", [1, 2, 3, 4])})
-    texts = read_split(Path(cfg.get("prompts", "data/prompts")), "val")["text"]
+    gammas = sorted(set(cfg.eval.gammas))
+    texts = read_split(cfg.prompts, "val")["text"]
     prompts = [runtime.encode(t, chat=False, special_tokens=False)
-               for t in texts[: int(evaluation.get("prompts", 6))]]
-    tokens = int(evaluation.get("max_new_tokens", 96))
+               for t in texts[: cfg.eval.prompts]]
+    tokens = cfg.eval.max_new_tokens
     configs = [DecodeConfig(method="ar", max_new_tokens=tokens)] + [
         DecodeConfig(method="sd", max_new_tokens=tokens, max_depth=g) for g in gammas]
     results = bench(runtime, prompts, configs, None, 0)
@@ -218,7 +196,7 @@ def _measure(spec: DraftSpec, folder: Path, target_name: str, cfg: dict, models:
     best_gamma = max(measured, key=measured.get)
     best = results[1 + gammas.index(best_gamma)]
     curve = read_curve(folder / "curve.csv")
-    return {"family": spec.family, "layers": spec.layers, "vocab": spec.vocab or "full",
+    return {"name": spec.name, "family": spec.family, "layers": spec.layers, "vocab": spec.vocab or "full",
             "alpha": alpha, "c": c, "predicted_speedup": predicted[best_predicted],
             "predicted_gamma": best_predicted, "measured_speedup": measured[best_gamma],
             "best_gamma": best_gamma, "measured_by_gamma": measured,

@@ -13,7 +13,6 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,45 +21,29 @@ from tqdm import tqdm
 
 from specstop.common.errors import SpecstopError
 from specstop.common.files import write_atomic, write_json
+from specstop.common.params import ExportConfig, Params, TrackingStore
 from specstop.decoder.stop_model import LearnedPolicy, read_stop_model
 from specstop.features import feature_index
 from specstop.features.dataset import DataError
 from specstop.models import data, evaluate, scripted, tracking
 
-from .params import config_from, mlflow_settings, section
 
 WINNER_FILE = "stop_model.pt"
 
 
-@dataclass(frozen=True)
-class ExportConfig:
-    """The `export` section of params.yaml (every key optional), plus the MLflow store."""
-
-    train: Path = Path("data/train")
-    data: Path = Path("data/collect")
-    out: Path = Path("data/export")
-    metrics: Path = Path("metrics/export.json")
-    tolerance: float = 1e-5
-    tree_implementation: str = "tree_trav"
-    registered_model: str = "specstop-stop-model"
-    tracking_uri: str = tracking.DEFAULT_URI
-    experiment: str = "specstop-train"
-
-
-def run(params: dict) -> None:
-    config = config_from(ExportConfig, {**mlflow_settings(params, "train"),
-                                       **section(params, "export")}, "export")
+def run(params: Params) -> None:
+    config = params.export
     start = time.perf_counter()
-    metrics = export(config)
+    metrics = export(config, params.mlflow.store("train"))
     print(table(metrics))
     print(f"export: {time.perf_counter() - start:.0f} s; {config.out / WINNER_FILE} "
           f"({metrics['winner']}), registered as {metrics['registered_model']} version "
           f"{metrics['model_version']}; metrics in {config.metrics}")
 
 
-def export(config: ExportConfig) -> dict:
+def export(config: ExportConfig, store: TrackingStore) -> dict:
     """Export, check and time every family; copy and register the winner; write the metrics."""
-    tracking.check(tracking.tracking_uri(config.tracking_uri))  # before the work, not after
+    tracking.check(tracking.tracking_uri(store.uri))  # before the work, not after
     summary = _summary(config.train)
     X = _val_features(config.data, summary)
     level = torch.tensor(X[X[:, feature_index("depth")] == 1][:3])  # one level of ti-mcsd
@@ -70,7 +53,7 @@ def export(config: ExportConfig) -> dict:
     winner = _winner(families)
     path = config.out / WINNER_FILE
     write_atomic(path, lambda tmp: shutil.copyfile(config.out / f"{winner}.pt", tmp))
-    registered = _register(path, metas[winner], families[winner], config)
+    registered = _register(path, metas[winner], families[winner], config, store)
     metrics = {"winner": winner, "file": str(path), "val_rows": int(len(X)),
                "tolerance": config.tolerance,
                "max_abs_diff": families[winner]["max_abs_diff"], **registered,
@@ -107,14 +90,21 @@ def _export_one(family: str, summary: dict, X: np.ndarray, level: torch.Tensor,
     returns (metrics, metadata)."""
     model = scripted.exportable(config.train, family, X[:3], config.tree_implementation)
     path = config.out / f"{family}.pt"
-    scripted.save(model.module, scripted.metadata(family, summary), path)
+    diffs: list[float] = []
+
+    def check(written: Path) -> None:  # on the written file, before it replaces `path`
+        module, _ = read_stop_model(written)
+        with torch.inference_mode():
+            exported = module(torch.tensor(X)).double().numpy()
+        diffs.append(float(np.max(np.abs(exported - model.reference(X)))))
+        if not diffs[0] <= config.tolerance:
+            raise SpecstopError(f"{path}: exported predictions differ from the trained {family} "
+                                f"model by {diffs[0]:.3g} on val (tolerance "
+                                f"{config.tolerance:g}); not written")
+
+    scripted.save(model.module, scripted.metadata(family, summary), path, check)
     module, meta = read_stop_model(path)
-    with torch.inference_mode():
-        exported = module(torch.tensor(X)).double().numpy()
-    diff = float(np.max(np.abs(exported - model.reference(X))))
-    if not diff <= config.tolerance:
-        raise SpecstopError(f"{path}: exported predictions differ from the trained {family} "
-                            f"model by {diff:.3g} on val (tolerance {config.tolerance:g})")
+    diff = diffs[0]
     policy = LearnedPolicy(module, meta, str(path))
     latency = evaluate.decision_latency(lambda x: policy(x, None), level)
     return {"file": str(path), "bytes": path.stat().st_size, "rule": meta["rule"],
@@ -128,13 +118,14 @@ def _winner(families: dict[str, dict]) -> str:
                                         families[f]["decision_latency_ms"]))
 
 
-def _register(path: Path, meta: dict, exported: dict, config: ExportConfig) -> dict:
+def _register(path: Path, meta: dict, exported: dict, config: ExportConfig,
+              store: TrackingStore) -> dict:
     """Log the winner (an MLflow PyTorch model holding the exact file) to its training run, or
     to a new run where the store does not have it, and register it."""
     import mlflow
 
-    uri = tracking.tracking_uri(config.tracking_uri)
-    tracking.start(uri, config.experiment)
+    uri = tracking.tracking_uri(store.uri)
+    tracking.start(uri, store.experiment)
     run_id = meta["mlflow_run_id"] if _has_run(meta["mlflow_run_id"]) else None
     module, _ = read_stop_model(path)
     with mlflow.start_run(run_id=run_id, run_name=None if run_id else f"export-{meta['family']}"):

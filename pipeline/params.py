@@ -1,61 +1,57 @@
-"""Read params.yaml (every knob of the pipeline) with clear errors."""
+"""Read params.yaml: parse it, check it against the schema (`specstop.common.params`) and the
+prompt sources' rules, all before a stage does any work."""
 
 from __future__ import annotations
 
-from dataclasses import fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import yaml
 
 from specstop.common.errors import SpecstopError
+from specstop.common.params import Params, validate
+
+from .prompt_sources import parse_sources
+from .prompt_splits import check_fractions
 
 DEFAULT_PARAMS = Path("params.yaml")
-Config = TypeVar("Config")
 
 
-def load_params(path: Path = DEFAULT_PARAMS, required: bool = False) -> dict[str, Any]:
-    """The parsed params file; {} when it is absent and not required."""
+def read_params_file(path: Path = DEFAULT_PARAMS, required: bool = False) -> dict[str, Any]:
+    """The parsed params file as it is written; {} when it is absent and not required."""
     path = Path(path)
     if not path.is_file():
         if required:
             raise SpecstopError(f"params file not found: {path}")
         return {}
     try:
-        params = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise SpecstopError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from err
-    if not isinstance(params, dict):
+    if not isinstance(raw, dict):
         raise SpecstopError(f"{path}: expected a mapping at the top level")
-    for name, value in params.items():
-        if not isinstance(value, dict):
-            raise SpecstopError(f"{path}: '{name}' must be a mapping")
+    return raw
+
+
+def checked_params(raw: dict[str, Any], path: Path = DEFAULT_PARAMS) -> Params:
+    """The typed params: the schema, then the prompt sources and fractions."""
+    params = validate(raw, str(path))
+    try:
+        parse_sources(params.prompts.sources)
+        check_fractions(params.prompts.fractions)
+    except SpecstopError as err:
+        raise SpecstopError(f"{path}: {err}") from None
     return params
 
 
-def section(params: dict[str, Any], name: str) -> dict[str, Any]:
-    """One section of the params (checked to be a mapping by load_params)."""
-    return params.get(name, {})
+def load_params(path: Path = DEFAULT_PARAMS, required: bool = False) -> Params:
+    """The typed params of a params file (the defaults when it is absent and not required)."""
+    return checked_params(read_params_file(path, required), path)
 
 
-def mlflow_settings(params: dict[str, Any], stage: str) -> dict[str, str]:
-    """The shared `mlflow` section as one stage's `tracking_uri` and experiment `<name>-<stage>`
-    (only the keys the section sets)."""
-    mlflow = section(params, "mlflow")
-    out = {}
-    if "tracking_uri" in mlflow:
-        out["tracking_uri"] = str(mlflow["tracking_uri"])
-    if "experiment" in mlflow:
-        out["experiment"] = f"{mlflow['experiment']}-{stage}"
-    return out
-
-
-def config_from(cls: type[Config], values: dict[str, Any], name: str) -> Config:
-    """A stage's config dataclass from its params section: an unknown key is an error naming
-    the section; fields typed `Path` get Paths."""
-    known = {f.name: f for f in fields(cls)}
-    unknown = set(values) - set(known)
-    if unknown:
-        raise SpecstopError(f"params.yaml: unknown key(s) in '{name}': {sorted(unknown)}")
-    return cls(**{k: Path(v) if known[k].type in (Path, "Path") else v
-                  for k, v in values.items()})
+def require(path: Path, stage: str) -> Path:
+    """`path`, which stage `stage` writes; a one-line error naming both when it is missing."""
+    if not Path(path).exists():
+        raise SpecstopError(f"{path}: not found (run `specstop {stage}` or `dvc repro {stage}` "
+                            f"first)")
+    return Path(path)

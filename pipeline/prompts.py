@@ -3,33 +3,22 @@ template, de-duplicate, split by prompt, write one Parquet file per split and a 
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from specstop.common.errors import SpecstopError
+from specstop.common.params import Params
 from specstop.decoder.models import chat_text, load_tokenizer
 
-from .params import section
 from .prompt_sources import parse_sources, read_source
 from .prompt_splits import (SPLITS, check_fractions, split_prompts, summarise, write_split,
                             write_summary)
 
-DEFAULT_SOURCES = [{"embedded": "humaneval"}]
-DEFAULT_FRACTIONS = {"train": 0.7, "val": 0.15, "test": 0.15}
 
-
-def run(params: dict) -> None:
-    prompts, models = section(params, "prompts"), section(params, "models")
-    out = Path(prompts.get("out", "data/prompts"))
-    specs = parse_sources(prompts.get("sources", DEFAULT_SOURCES))
-    fractions = check_fractions(prompts.get("fractions", DEFAULT_FRACTIONS))
-    try:
-        seed = int(prompts.get("seed", 0))
-    except (TypeError, ValueError) as err:
-        raise SpecstopError(f"prompts.seed: {err}") from err
+def run(params: Params) -> None:
+    prompts, models = params.prompts, params.models
+    out, seed = prompts.out, prompts.seed
+    specs = parse_sources(prompts.sources)
+    fractions = check_fractions(prompts.fractions)
+    tokenizer = load_tokenizer(models.target, models.target_cache)
     sources = [read_source(spec) for spec in specs]
     chosen = split_prompts(sources, fractions, seed)
-    tokenizer = load_tokenizer(models.get("target", "embedded"),
-                               Path(models.get("cache_dir", "data/models/target")))
     for split in SPLITS:
         write_split([{"prompt_id": p.prompt_id, "source": p.source, "request": p.request,
                       "text": chat_text(tokenizer, p.request), "split": split}

@@ -6,22 +6,20 @@ from __future__ import annotations
 import time
 
 from specstop.common.errors import SpecstopError
+from specstop.common.params import Params
 from specstop.features.dataset import DataError
-from specstop.models.experiment import Report, TrainConfig
+from specstop.models.experiment import Report
 from specstop.models import experiment
-
-from .params import mlflow_settings, section
 
 COLUMNS = ["auc", "log_loss", "brier", "calibration_error", "simulated_speedup",
            "fraction_of_oracle", "fraction_of_gap"]
 
 
-def run(params: dict) -> None:
-    config = TrainConfig.from_params({**mlflow_settings(params, "train"),
-                                      **section(params, "train")})
+def run(params: Params) -> None:
+    config = params.train
     start = time.perf_counter()
     try:
-        report = experiment.run(config)
+        report = experiment.run(config, params.mlflow.store("train"))
     except DataError as err:
         raise SpecstopError(str(err)) from err
     print(table(report))

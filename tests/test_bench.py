@@ -10,6 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from specstop.common.params import validate
 from specstop.pipeline import bench
 
 from stop_models import write_trained_outputs
@@ -27,11 +28,11 @@ def test_bench_measures_every_method_side_by_side(tmp_path, tiny_model_dir, monk
     pq.write_table(pa.table({"prompt_id": ["a", "b", "c"], "text": ["hi", "hello there", "x"]}),
                    "data/prompts/test.parquet")
     tiny = str(tiny_model_dir)
-    bench.run({"models": {"target": tiny, "draft": tiny, "dtype": "float32", "device": "cpu"},
+    bench.run(validate({"models": {"target": tiny, "draft": tiny, "dtype": "float32", "device": "cpu"},
                "costs": {"path": "absent.json"},
                "collect": {"ti_width": 2, "max_depth": 3, "mcsd_branching": [2]},
                "bench": {"prompts": 2, "max_new_tokens": 6, "temperature": 0.8,
-                         "assistant_draft": tiny}})
+                         "assistant_draft": tiny}}))
     metrics = json.loads(Path("metrics/bench.json").read_text())
     for name in METHODS:
         assert CONTRACT | {"greedy_identical_to_ar"} <= set(metrics[name]), name

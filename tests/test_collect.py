@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import subprocess
@@ -18,6 +19,8 @@ from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, generate
 from specstop.decoder.policy import FixedDepth
 from specstop.features.dataset import DataError, RoundLogger, read_part, read_parts, write_part
+from specstop.common.errors import SpecstopError
+from specstop.common.params import validate
 from specstop.pipeline import collect
 
 from conftest import perturbed_copy, tiny_llama, write_chat_prompts
@@ -44,7 +47,7 @@ def sorted_rows(folder: Path) -> list[tuple]:
 def test_collect_writes_labelled_rows_and_resumes(tiny_target, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     params = make_workdir(tmp_path, tiny_target)
-    collect.run(params)
+    collect.run(validate(params))
     out = Path(params["collect"]["out"])
     parts = sorted((out / "parts").glob("*.parquet"))
     assert [p.stem for p in parts] == ["train-00000", "train-00001", "train-00002", "val-00000"]
@@ -59,14 +62,53 @@ def test_collect_writes_labelled_rows_and_resumes(tiny_target, tmp_path, monkeyp
     # resume: a lost part is redone, finished ones are not touched, the data is the same
     stamps = {p: p.stat().st_mtime_ns for p in parts}
     parts[1].unlink()
-    collect.run(params)
+    collect.run(validate(params))
     assert all(p.stat().st_mtime_ns == stamps[p] for p in parts if p != parts[1])
     assert sorted_rows(out) == first
     # other options: the old parts are not mixed in, the collection starts over
     params["collect"]["max_depth"] = 3
-    collect.run(params)
+    collect.run(validate(params))
     depths = read_parts(out).column("depth").to_numpy()
     assert depths.max() == 3 and sorted_rows(out) != first
+
+
+def logged(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((out / "parts").glob("*.parquet"))}
+
+
+def test_a_typo_loses_no_row_and_other_settings_are_set_aside(tiny_target, tmp_path,
+                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    params = make_workdir(tmp_path, tiny_target)
+    collect.run(validate(params))
+    out = Path(params["collect"]["out"])
+    first = logged(out)
+    assert len(first) == 4
+    # a typo'd draft path: refused before the log is touched
+    typo = copy.deepcopy(params)
+    typo["models"]["draft"] = "data/draft/defualt"
+    with pytest.raises(SpecstopError, match="data/draft/defualt: not found"):
+        collect.run(validate(typo))
+    assert logged(out) == first and not (out / "stale").exists()
+    # the corrected re-run resumes: nothing is redone
+    stamps = {p: p.stat().st_mtime_ns for p in (out / "parts").glob("*.parquet")}
+    collect.run(validate(params))
+    assert {p: p.stat().st_mtime_ns for p in (out / "parts").glob("*.parquet")} == stamps
+    # other settings: the log is moved aside, never deleted
+    other = copy.deepcopy(params)
+    other["collect"]["max_depth"] = 3
+    collect.run(validate(other))
+    stale = sorted((out / "stale").glob("parts-*"))
+    assert len(stale) == 1
+    assert {p.name: p.read_bytes() for p in sorted(stale[0].glob("*.parquet"))} == first
+    assert logged(out) != first
+    # back to the first settings: that log comes back as it was, and the other is kept aside
+    second = logged(out)
+    collect.run(validate(params))
+    assert logged(out) == first
+    stale = sorted((out / "stale").glob("parts-*"))
+    assert [{p.name: p.read_bytes() for p in sorted(s.glob("*.parquet"))} for s in stale] \
+        == [second]
 
 
 def test_two_torchrun_processes_equal_one(tiny_target, tmp_path):

@@ -16,7 +16,8 @@ from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, generate
 from specstop.decoder.runtime import load_runtime
 from specstop.models.draft_corpus import Sequence, token_counts
-from specstop.models.draft_train import DraftDistiller, TrainConfig, collate, fit, read_curve
+from specstop.common.params import DraftTrainConfig
+from specstop.models.draft_train import DraftDistiller, collate, fit, read_curve, resolve_precision
 
 from conftest import tiny_llama
 
@@ -149,7 +150,7 @@ def test_one_training_step_lowers_the_loss(target, family):
     torch.manual_seed(0)
     build = build_feature_head if family == "feature" else build_compact
     draft = build(target, 1, PRUNED).float().train()
-    config = TrainConfig(lr=3e-3, warmup_steps=1, feature_noise=0.0)
+    config = DraftTrainConfig(lr=3e-3, warmup_steps=1, feature_noise=0.0)
     module = DraftDistiller(draft, family, PRUNED, VOCAB, config)
     batch = collate(fake_corpus(target, 6, seed=1))
     optimizer = module.configure_optimizers()["optimizer"]
@@ -177,7 +178,7 @@ def test_training_resumes_from_its_last_checkpoint(target, tmp_path: Path):
     def run(epochs: int) -> dict:
         torch.manual_seed(0)
         draft = build_compact(target, 1, PRUNED).float().train()
-        config = TrainConfig(max_epochs=epochs, batch_size=4, val_every_steps=1,
+        config = DraftTrainConfig(max_epochs=epochs, batch_size=4, val_every_steps=1,
                              precision="32-true", patience=100)
         module = DraftDistiller(draft, "compact", PRUNED, VOCAB, config)
         fit(module, corpus, corpus[:2], tmp_path, None)
@@ -188,3 +189,37 @@ def test_training_resumes_from_its_last_checkpoint(target, tmp_path: Path):
     assert resumed["global_step"] == 4 and resumed["epoch"] == 1
     steps = [int(row["step"]) for row in read_curve(tmp_path / "curve.csv")]
     assert steps == [1, 2, 3, 4]  # one validation (and checkpoint) per step, none repeated
+
+
+@pytest.mark.parametrize("flags, native", [("fpu sse avx2 fma", False),
+                                           ("avx2 avx512f avx512_bf16", True),
+                                           ("avx2 amx_bf16 amx_tile", True)])
+def test_auto_precision_and_dtype_follow_the_cpu_flags(tmp_path, monkeypatch, flags, native):
+    from specstop.decoder import models
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    monkeypatch.setattr(models, "CPUINFO", cpuinfo)
+    models.cpu_has_bf16.cache_clear()
+    try:
+        cpu = torch.device("cpu")
+        assert resolve_precision("auto", cpu) == ("bf16-mixed" if native else "32-true")
+        assert models.resolve_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
+        assert resolve_precision("32-true", cpu) == "32-true"  # an explicit choice is kept
+    finally:
+        models.cpu_has_bf16.cache_clear()
+
+
+def test_a_draft_slower_than_ar_is_named_with_its_likely_cause(monkeypatch):
+    from specstop.pipeline import draft
+    from specstop.pipeline.draft import _useless_draft_warning
+
+    monkeypatch.setattr(draft, "cpu_has_bf16", lambda: False)
+
+    best = {"name": "feature-l1-v4096", "measured_speedup": 0.94, "alpha": 0.2, "c": 0.05,
+            "dtype": "float32"}
+    warning = _useless_draft_warning(best, "32-true")
+    assert "feature-l1-v4096" in warning and "0.94x" in warning
+    assert "too little training" in warning and "without native bf16" in warning
+    assert "fp32 verification" in _useless_draft_warning({**best, "alpha": 0.6}, "32-true")
+    assert _useless_draft_warning({**best, "measured_speedup": 1.2}, "32-true") is None

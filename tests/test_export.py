@@ -4,6 +4,7 @@ MLflow registration, one-line errors, the rules' semantics against the simulator
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -14,9 +15,10 @@ import torch
 from specstop.common.errors import SpecstopError
 from specstop.decoder.stop_model import LearnedPolicy, load_stop_model, read_stop_model
 from specstop.features import FEATURES, SCHEMA_VERSION, feature_index
-from specstop.models import experiment, rules
+from specstop.models import experiment, rules, scripted
 from specstop.models.simulate import CostModel, Replay
-from specstop.pipeline.export import ExportConfig, export
+from specstop.common.params import ExportConfig
+from specstop.pipeline.export import export
 
 from stop_models import linear_module, metadata, write_stop_model
 from synthetic_rows import make_collect
@@ -35,16 +37,16 @@ def exported(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(folder)
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        report = experiment.run(experiment.TrainConfig.from_params(params["train"]))
+        store = params.mlflow.store("train")
+        report = experiment.run(params.train, store)
         config = ExportConfig(train=folder / "train", data=folder / "collect",
-                              out=folder / "export", metrics=folder / "metrics" / "export.json",
-                              tracking_uri=params["train"]["tracking_uri"])
-        metrics = export(config)
-    return config, report, metrics
+                              out=folder / "export", metrics=folder / "metrics" / "export.json")
+        metrics = export(config, store)
+    return config, store, report, metrics
 
 
 def test_every_family_predicts_as_trained(exported):
-    config, report, metrics = exported
+    config, store, report, metrics = exported
     X = report.bench.X
     for family in ("logistic", "lightgbm", "mlp"):
         module, meta = read_stop_model(config.out / f"{family}.pt")
@@ -56,7 +58,7 @@ def test_every_family_predicts_as_trained(exported):
 
 
 def test_files_carry_their_metadata(exported):
-    config, report, metrics = exported
+    config, store, report, metrics = exported
     summary = json.loads((config.train / "summary.json").read_text())
     for family in ("logistic", "lightgbm", "mlp"):
         _, meta = read_stop_model(config.out / f"{family}.pt")
@@ -70,16 +72,31 @@ def test_files_carry_their_metadata(exported):
         assert meta["mlflow_run_id"] == entry["run_id"]
 
 
+def test_a_failed_check_leaves_the_exported_files_as_they_were(exported, monkeypatch):
+    config, store, report, metrics = exported
+    before = {p.name: p.read_bytes() for p in sorted(config.out.iterdir())}
+    real = scripted.exportable
+
+    def off_by_one(*args, **kwargs) -> scripted.Exportable:
+        model = real(*args, **kwargs)
+        return dataclasses.replace(model, reference=lambda X: model.reference(X) + 1.0)
+
+    monkeypatch.setattr(scripted, "exportable", off_by_one)
+    with pytest.raises(SpecstopError, match="differ from the trained .* not written"):
+        export(config, store)
+    assert {p.name: p.read_bytes() for p in sorted(config.out.iterdir())} == before
+
+
 def test_the_winner_is_copied_and_registered(exported):
     import mlflow
 
-    config, report, metrics = exported
+    config, store, report, metrics = exported
     winner = metrics["winner"]
     speed = {f: m["simulated_speedup"] for f, m in metrics["families"].items()}
     assert speed[winner] == max(speed.values())
     assert (config.out / "stop_model.pt").read_bytes() == (config.out / f"{winner}.pt").read_bytes()
     assert json.loads(config.metrics.read_text())["winner"] == winner
-    client = mlflow.MlflowClient(config.tracking_uri)
+    client = mlflow.MlflowClient(store.uri)
     version = client.get_model_version(config.registered_model, str(metrics["model_version"]))
     assert version.run_id == read_stop_model(config.out / "stop_model.pt")[1]["mlflow_run_id"]
     loaded = mlflow.pytorch.load_model(f"models:/{config.registered_model}/"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from specstop.common.params import validate
 from specstop.pipeline import train
 
 from synthetic_rows import make_collect
@@ -55,10 +56,11 @@ def test_runs_are_served_by_mlflow_server(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     make_collect(tmp_path / "collect", prompts={"train": 10, "val": 4}, rounds=10)
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    train.run({"train": {"data": "collect", "out": "train", "metrics": "train.json",
-                         "plots": "plots", "tracking_uri": store, "threshold_grid": 20,
-                         "families": ["logistic", "lightgbm"],
-                         "lightgbm": {"n_estimators": 20, "num_leaves": 7}}})
+    train.run(validate({"train": {"data": "collect", "out": "train", "metrics": "train.json",
+                                  "plots": "plots", "threshold_grid": 20,
+                                  "families": ["logistic", "lightgbm"],
+                                  "lightgbm": {"n_estimators": 20, "num_leaves": 7}},
+                        "mlflow": {"tracking_uri": store}}))
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(

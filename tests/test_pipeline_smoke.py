@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from specstop.decoder.stop_model import load_stop_model
-from specstop.pipeline.params import load_params
+from specstop.pipeline.params import read_params_file
 from specstop.pipeline.workspace import make_workspace
 
 from conftest import ROOT
@@ -43,7 +43,7 @@ def stages_run(result: subprocess.CompletedProcess) -> list[str]:
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A workspace with the smoke profile after one full `dvc repro`."""
     workspace = make_workspace(ROOT, tmp_path_factory.mktemp("smoke") / "project", "smoke",
-                               load_params(ROOT / "params.yaml"))
+                               read_params_file(ROOT / "params.yaml"))
     assert stages_run(dvc(workspace, "repro")) == STAGES
     return workspace
 

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from specstop.common.errors import SpecstopError
+from specstop.common.params import Params, validate
 from specstop.features.dataset import ROW_SCHEMA, DataError, read_parts, write_part
 from specstop.models import data, experiment
 from specstop.models.families import fit_data
@@ -25,12 +26,12 @@ FAST = {"mlp": {"hidden": [32], "max_epochs": 15, "batch_size": 128, "lr": 0.003
         "lightgbm": {"n_estimators": 60, "num_leaves": 7, "min_child_samples": 10}}
 
 
-def params_for(tmp_path, **overrides) -> dict:
-    return {"train": {"data": str(tmp_path / "collect"), "out": str(tmp_path / "train"),
-                      "metrics": str(tmp_path / "metrics" / "train.json"),
-                      "plots": str(tmp_path / "metrics" / "plots"),
-                      "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
-                      "threshold_grid": 40, **FAST, **overrides}}
+def params_for(tmp_path, **overrides) -> Params:
+    return validate({"train": {"data": str(tmp_path / "collect"), "out": str(tmp_path / "train"),
+                               "metrics": str(tmp_path / "metrics" / "train.json"),
+                               "plots": str(tmp_path / "metrics" / "plots"),
+                               "threshold_grid": 40, **FAST, **overrides},
+                     "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}})
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +42,13 @@ def trained(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(folder)
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        config = experiment.TrainConfig.from_params(params["train"])
-        report = experiment.run(config)
-    return folder, config, report
+        config, store = params.train, params.mlflow.store("train")
+        report = experiment.run(config, store)
+    return folder, config, store, report
 
 
 def test_metrics_follow_the_contract(trained):
-    folder, config, report = trained
+    folder, config, store, report = trained
     metrics = json.loads(config.metrics.read_text())
     for name in ("logistic", "lightgbm", "mlp", "fixed", "confidence", "entropy"):
         assert CONTRACT <= set(metrics[name]), name
@@ -62,7 +63,7 @@ def test_metrics_follow_the_contract(trained):
 
 
 def test_saved_models_reproduce_the_predictions(trained):
-    folder, config, report = trained
+    folder, config, store, report = trained
     X = report.bench.X[:50]
     summary = json.loads((config.out / "summary.json").read_text())
     assert summary["winner"] in ("logistic", "lightgbm", "mlp")
@@ -87,9 +88,9 @@ def test_saved_models_reproduce_the_predictions(trained):
 def test_one_mlflow_run_per_family_and_the_baselines(trained):
     import mlflow
 
-    folder, config, report = trained
-    client = mlflow.MlflowClient(config.tracking_uri)
-    experiment_id = client.get_experiment_by_name(config.experiment).experiment_id
+    folder, config, store, report = trained
+    client = mlflow.MlflowClient(store.uri)
+    experiment_id = client.get_experiment_by_name(store.experiment).experiment_id
     runs = {r.info.run_name: r for r in client.search_runs([experiment_id])}
     assert {"logistic", "lightgbm", "mlp", "baselines"} <= set(runs)
     mlp = runs["mlp"].data
@@ -121,7 +122,7 @@ def test_soft_labels_and_a_search_with_nested_runs(tmp_path, monkeypatch):
     metrics = json.loads((tmp_path / "metrics" / "train.json").read_text())
     assert metrics["logistic"]["simulated_speedup"] > 0 and "first_rejection_speedup" \
         not in metrics["oracle"]
-    runs = mlflow.MlflowClient(params["train"]["tracking_uri"]).search_runs(["1"])
+    runs = mlflow.MlflowClient(params.mlflow.tracking_uri).search_runs(["1"])
     parent = next(r.info.run_id for r in runs if r.info.run_name == "logistic")
     trials = [r for r in runs if r.info.run_name.startswith("logistic-trial-")]
     assert len(trials) == 2 and all(r.data.tags["mlflow.parentRunId"] == parent for r in trials)
@@ -154,7 +155,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
     with pytest.raises(DataError, match="hold no rows"):
         data.load(folder)
     with pytest.raises(SpecstopError, match="unknown key"):
-        train.run({"train": {"lerning_rate": 1}})
+        validate({"train": {"lerning_rate": 1}})
 
 
 def test_rounds_with_nan_features_are_dropped_and_counted(tmp_path):

@@ -9,35 +9,42 @@ import yaml
 
 from specstop.common.errors import SpecstopError
 from specstop.pipeline.cli import main
-from specstop.pipeline.params import load_params
-from specstop.pipeline.workspace import apply_profile, make_workspace
+from specstop.common.params import apply_profile, validate
+from specstop.pipeline.params import read_params_file
+from specstop.pipeline.workspace import make_workspace
 
 from conftest import ROOT
 
-PARAMS = {"draft": {"corpus": {"samples_per_prompt": 3, "top_k": 16}, "sweep": [1, 2]},
+FEATURE, COMPACT = {"family": "feature", "layers": 1}, {"family": "compact", "layers": 2}
+PARAMS = {"draft": {"corpus": {"samples_per_prompt": 3, "top_k": 16}, "sweep": [FEATURE, COMPACT]},
           "bench": {"prompts": 8},
-          "profiles": {"small": {"draft": {"corpus": {"samples_per_prompt": 1}, "sweep": [3]}}}}
+          "profiles": {"small": {"draft": {"corpus": {"samples_per_prompt": 1},
+                                           "sweep": [COMPACT]}}}}
 
 
 def test_profile_merges_mappings_and_replaces_the_rest():
     assert apply_profile(PARAMS, "small") == {
-        "draft": {"corpus": {"samples_per_prompt": 1, "top_k": 16}, "sweep": [3]},
+        "draft": {"corpus": {"samples_per_prompt": 1, "top_k": 16}, "sweep": [COMPACT]},
         "bench": {"prompts": 8}}
     assert PARAMS["draft"]["corpus"]["samples_per_prompt"] == 3  # the input is left alone
 
 
 @pytest.mark.parametrize("profiles, name, message", [
     ({"small": {}}, "large", "no profile 'large'"),
-    ({"small": {"benhc": {"prompts": 1}}}, "small", r"unknown section\(s\) \['benhc'\]"),
-    ({"small": [1]}, "small", "no profile 'small'"),
+    ({"small": {"benhc": {"prompts": 1}}}, "small", r"profiles\.small\.benhc: unknown key"),
+    ({"small": {"bench": {"prompts": 0}}}, "small",
+     r"profiles\.small\.bench\.prompts: expected an integer >= 1, got 0"),
+    ({"small": [1]}, "small", r"profiles\.small: expected a mapping"),
 ])
 def test_bad_profiles_are_named(profiles, name, message):
     with pytest.raises(SpecstopError, match=message):
+        validate({**PARAMS, "profiles": profiles})
         apply_profile({**PARAMS, "profiles": profiles}, name)
 
 
 def test_the_smoke_profile_applies_to_this_params_file():
-    params = load_params(ROOT / "params.yaml")
+    params = read_params_file(ROOT / "params.yaml")
+    validate(params)  # the profiles too
     smoke = apply_profile(params, "smoke")
     assert set(smoke) == set(params) - {"profiles"}
     assert smoke["bench"]["prompts"] < params["bench"]["prompts"]
@@ -63,7 +70,7 @@ def test_workspace_copies_the_project_files_not_outputs(tmp_path):
     dest = make_workspace(root, tmp_path / "ws", "small", PARAMS)
     copied = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
     assert copied == [".dvc/config.local", ".gitignore", "code.py", "notes.txt", "params.yaml"]
-    assert load_params(dest / "params.yaml") == apply_profile(PARAMS, "small")
+    assert read_params_file(dest / "params.yaml") == apply_profile(PARAMS, "small")
 
 
 def test_workspace_cli_refuses_a_folder_in_use(tmp_path, capsys):

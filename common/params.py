@@ -1,0 +1,431 @@
+"""params.yaml as one typed schema: every section, key, type and range of the pipeline.
+
+`validate(raw, source)` checks a whole parsed params file (profiles too) before any stage
+does work; an error is one line naming the file, the dotted key and what was expected:
+`params.yaml: train.mlp.max_epochs: expected an integer >= 1, got 'three'`.  Unknown keys are
+errors.  Stages and library code read their typed section (`params.train`, ...), never raw
+dictionaries.  This module imports nothing of specstop but the error type.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import platformdirs
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import SpecstopError
+
+METHODS = ("ar", "sd", "mcsd", "ti-mcsd")
+STOP_FAMILIES = ("logistic", "lightgbm", "mlp")
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+PROFILES = "profiles"
+MIN_TEMPERATURE = 1e-3  # below it logits / T overflow float32
+
+PosInt = Annotated[int, Field(ge=1)]
+NonNegInt = Annotated[int, Field(ge=0)]
+Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
+PosFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+Probability = Annotated[float, Field(ge=0, le=1)]
+UnitFraction = Annotated[float, Field(gt=0, le=1)]
+
+
+def _temperature(value: float) -> float:
+    if value != 0 and not MIN_TEMPERATURE <= value <= 100:
+        raise ValueError("out of range")
+    return value
+
+
+Temperature = Annotated[float, AfterValidator(_temperature),
+                        Field(description=f"0 (greedy) or a number in [{MIN_TEMPERATURE:g}, 100]")]
+Method = Literal["ar", "sd", "mcsd", "ti-mcsd"]
+Dtype = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+Device = Annotated[str, Field(pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$",
+                              description="auto, cpu, cuda or cuda:N")]
+
+
+class Section(BaseModel):
+    """A params section: unknown keys are errors, values are checked and then frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class ModelsConfig(Section):
+    target: str = "embedded"  # embedded | hub id | model folder | path/to/model.gguf
+    draft: str = "layers:2"  # a draft folder, any LM with the same tokenizer, or layers:N
+    dtype: Dtype = "auto"  # auto = bf16 where the hardware has it natively, else float32
+    device: Device = "auto"
+    cache_dir: Path | None = None  # where `embedded` is converted; None: the per-user cache
+
+    @property
+    def target_cache(self) -> Path:
+        """The converted embedded target's folder: `cache_dir`, else the platform's per-user
+        cache (outside a project nothing is written into the current folder)."""
+        return self.cache_dir or Path(platformdirs.user_cache_dir("specstop")) / "models" / "target"
+
+
+class CostsConfig(Section):
+    path: Path = Path("data/costs/verify.json")
+    widths: list[PosInt] = [2, 4, 8, 16]
+    context: PosInt = 200
+    repeats: PosInt = 15
+
+
+class TreeConfig(Section):
+    """How a round drafts and verifies: the options `decode` and `collect` share."""
+
+    method: Method = "ti-mcsd"
+    max_new_tokens: PosInt = 128
+    temperature: Temperature = 0.0
+    top_p: UnitFraction = 1.0
+    max_depth: PosInt = 8
+    mcsd_branching: list[PosInt] = [2, 2]
+    ti_width: PosInt = 3
+    lossy: bool = False
+    without_replacement: bool = True
+    seed: Seed = 0
+
+
+class DecodeParams(TreeConfig):
+    policy: Literal["fixed", "confidence"] = "fixed"
+    gamma: PosInt = 4
+    threshold: Probability = 0.4
+    stop_model: Path | None = None
+
+
+class PromptsConfig(Section):
+    out: Path = Path("data/prompts")
+    seed: Seed = 0
+    fractions: dict[str, NonNegFloat] = {"train": 0.7, "val": 0.15, "test": 0.15}
+    sources: list[dict[str, Any]] = Field([{"embedded": "humaneval"}], min_length=1)
+
+
+class CorpusConfig(Section):
+    samples_per_prompt: PosInt = 3  # the first greedy, the rest sampled at `temperature`
+    temperature: Temperature = 0.8
+    max_new_tokens: PosInt = 128
+    batch_size: PosInt = 16
+    top_k: PosInt = 16  # teacher probabilities kept per position
+
+
+class DraftSpec(Section):
+    family: Literal["compact", "feature"]
+    layers: PosInt
+    vocab: NonNegInt = 0  # output vocabulary size; 0 = the full vocabulary
+    max_minutes: PosFloat | None = None  # overrides draft.train.max_minutes
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}-l{self.layers}-v{self.vocab or 'full'}"
+
+
+class DraftTrainConfig(Section):
+    max_minutes: PosFloat = 4.0
+    max_epochs: PosInt = 20
+    batch_size: PosInt = 8
+    lr: PosFloat = 1e-3
+    weight_decay: NonNegFloat = 0.0
+    warmup_steps: NonNegInt = 30
+    feature_loss_weight: NonNegFloat = 1.0  # feature-conditioned head only
+    feature_noise: NonNegFloat = 0.05  # uniform noise on input features
+    unroll: PosInt = 1  # feature head: passes fed with its own predicted features
+    val_every_steps: PosInt = 40  # also the checkpoint interval
+    patience: PosInt = 4
+    precision: Literal["auto", "bf16-mixed", "32-true"] = "auto"  # auto: bf16 where native
+    seed: Seed = 0
+
+
+class DraftEvalConfig(Section):
+    prompts: PosInt = 6
+    max_new_tokens: PosInt = 96
+    gammas: list[PosInt] = Field([1, 2, 3, 4], min_length=1)
+
+
+class DraftConfig(Section):
+    out: Path = Path("data/draft")
+    metrics: Path = Path("metrics/draft.json")
+    plots: Path = Path("metrics/draft_plots")
+    prompts: Path = Path("data/prompts")
+    verify_costs: Path = Path("data/costs/verify.json")
+    max_prompts: PosInt | None = None
+    seed: Seed = 0
+    corpus: CorpusConfig = CorpusConfig()
+    sweep: list[DraftSpec] = Field(
+        [DraftSpec(family="feature", layers=1, vocab=4096)], min_length=1)
+    train: DraftTrainConfig = DraftTrainConfig()
+    eval: DraftEvalConfig = DraftEvalConfig()
+
+
+class MLflowConfig(Section):
+    tracking_uri: str = DEFAULT_TRACKING_URI  # env MLFLOW_TRACKING_URI overrides
+    experiment: str = Field("specstop", min_length=1)
+
+    def store(self, stage: str) -> "TrackingStore":
+        """The store and experiment `<experiment>-<stage>` one stage logs to."""
+        return TrackingStore(self.tracking_uri, f"{self.experiment}-{stage}")
+
+
+class TrackingStore(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    uri: str
+    experiment: str
+
+    def __init__(self, uri: str, experiment: str) -> None:
+        super().__init__(uri=uri, experiment=experiment)
+
+
+class CollectConfig(TreeConfig):
+    prompts: Path = Path("data/prompts")
+    out: Path = Path("data/collect")
+    summary: Path = Path("metrics/collect.json")
+    splits: list[Literal["train", "val", "test"]] = Field(["train", "val"], min_length=1)
+    max_prompts: PosInt | None = None
+    part_size: PosInt = 4  # prompts per Parquet part (the unit of resume and sharding)
+
+
+class LogisticParams(Section):
+    C: PosFloat = 1.0
+    max_iter: PosInt = 1000
+
+
+class LightGBMParams(Section):  # LightGBM's own defaults where params.yaml is silent
+    num_leaves: Annotated[int, Field(ge=2)] = 31
+    learning_rate: PosFloat = 0.1
+    n_estimators: PosInt = 500
+    early_stopping_rounds: PosInt = 30
+    min_child_samples: PosInt = 20
+    feature_fraction: UnitFraction = 1.0
+    bagging_fraction: UnitFraction = 1.0
+    bagging_freq: NonNegInt = 0
+    lambda_l2: NonNegFloat = 0.0
+
+
+class MLPParams(Section):
+    hidden: list[PosInt] = Field([64, 64], min_length=1)
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.1
+    lr: PosFloat = 1e-3
+    weight_decay: NonNegFloat = 1e-4
+    batch_size: PosInt = 1024
+    max_epochs: PosInt = 30
+    patience: PosInt = 4
+
+
+class StopTrainConfig(Section):
+    data: Path = Path("data/collect")
+    out: Path = Path("data/train")
+    metrics: Path = Path("metrics/train.json")
+    plots: Path = Path("metrics/train_plots")
+    families: list[Literal["logistic", "lightgbm", "mlp"]] = Field(list(STOP_FAMILIES),
+                                                                   min_length=1)
+    label: Literal["hard", "soft"] = "hard"
+    class_weight: Literal["balanced", "none"] = "balanced"
+    early_stop_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.15
+    seed: Seed = 0
+    search_trials: NonNegInt = 0
+    rho_iterations: PosInt = 5
+    threshold_grid: Annotated[int, Field(ge=2)] = 200
+    charge_decision_latency: bool = True
+    logistic: LogisticParams = LogisticParams()
+    lightgbm: LightGBMParams = LightGBMParams()
+    mlp: MLPParams = MLPParams()
+
+    def hyperparameters(self, family: str) -> dict[str, Any]:
+        return getattr(self, family).model_dump()
+
+
+class ExportConfig(Section):
+    train: Path = Path("data/train")
+    data: Path = Path("data/collect")
+    out: Path = Path("data/export")
+    metrics: Path = Path("metrics/export.json")
+    tolerance: NonNegFloat = 1e-5
+    tree_implementation: Literal["tree_trav", "perf_tree_trav", "gemm"] = "tree_trav"
+    registered_model: str = Field("specstop-stop-model", min_length=1)
+
+
+class BenchConfig(Section):
+    prompts: PosInt = 8  # test prompts (file order)
+    prompt_dir: Path = Path("data/prompts")
+    max_new_tokens: PosInt = 96
+    temperature: Temperature = 0.7  # the sampling run (greedy always runs)
+    top_p: UnitFraction = 1.0
+    seed: Seed = 0
+    export: Path = Path("data/export")
+    train: Path = Path("data/train")
+    train_metrics: Path = Path("metrics/train.json")
+    draft_metrics: Path = Path("metrics/draft.json")
+    assistant_draft: str | None = "data/draft/sweep/compact-l2-v4096"
+    metrics: Path = Path("metrics/bench.json")
+    plots: Path = Path("metrics/bench_plots")
+
+
+class Params(Section):
+    """The whole of params.yaml; `source` is the file it came from (for messages)."""
+
+    models: ModelsConfig = ModelsConfig()
+    costs: CostsConfig = CostsConfig()
+    decode: DecodeParams = DecodeParams()
+    prompts: PromptsConfig = PromptsConfig()
+    draft: DraftConfig = DraftConfig()
+    mlflow: MLflowConfig = MLflowConfig()
+    collect: CollectConfig = CollectConfig()
+    train: StopTrainConfig = StopTrainConfig()
+    export: ExportConfig = ExportConfig()
+    bench: BenchConfig = BenchConfig()
+    profiles: dict[str, dict[str, Any]] = {}
+
+
+def validate(raw: dict[str, Any], source: str = "params.yaml") -> Params:
+    """The typed params of a parsed params file, its profiles checked the same way; a
+    SpecstopError (one line: file, dotted key, what was expected) otherwise."""
+    params = _checked(raw, source, "")
+    for name in params.profiles:
+        _checked(apply_profile(raw, name, source), source, f"{PROFILES}.{name}.")
+    return params
+
+
+def with_overrides(params: Params, source: str, **sections: dict[str, Any]) -> Params:
+    """`params` with some keys of some sections replaced (CLI flags: `--max-new-tokens 8` is
+    `decode={"max_new_tokens": 8}`), checked as the file is; errors name the flag."""
+    raw = params.model_dump(exclude={PROFILES}, exclude_unset=True)
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    flags = {(name, key) for name, values in sections.items() for key in values}
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as err:
+        error = err.errors()[0]
+        loc = tuple(error["loc"])
+        if loc[:2] in flags:
+            raise SpecstopError(f"--{str(loc[1]).replace('_', '-')}: "
+                                f"{_problem(error)}") from None
+        raise SpecstopError(f"{source}: {_dotted(loc)}: {_problem(error)}") from None
+
+
+def apply_profile(raw: dict[str, Any], name: str, source: str = "params.yaml") -> dict[str, Any]:
+    """The raw params with profile `name` merged in (mappings merge key by key, anything else
+    is replaced) and the profiles dropped."""
+    profiles = raw.get(PROFILES) or {}
+    if not isinstance(profiles.get(name), dict):
+        raise SpecstopError(f"{source}: {PROFILES}: no profile '{name}' "
+                            f"(known: {', '.join(profiles) or 'none'})")
+    return _merge({k: v for k, v in raw.items() if k != PROFILES}, profiles[name])
+
+
+def _merge(base: Any, override: Any) -> Any:
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = copy.deepcopy(base)
+        for key, value in override.items():
+            out[key] = _merge(base.get(key), value) if key in base else copy.deepcopy(value)
+        return out
+    return copy.deepcopy(override)
+
+
+def _checked(raw: dict[str, Any], source: str, prefix: str) -> Params:
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as err:
+        error = err.errors()[0]
+        raise SpecstopError(f"{source}: {prefix}{_dotted(error['loc'])}: "
+                            f"{_problem(error)}") from None
+
+
+def _dotted(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f"{'.' if out else ''}{part}"
+    return out or "(top level)"
+
+
+def _problem(error: dict) -> str:
+    """'expected <what the key takes>, got <value>' for one pydantic error."""
+    if error["type"] == "extra_forbidden":
+        known = _known_keys(error["loc"][:-1])
+        return f"unknown key (known: {', '.join(known)})"
+    if error["type"] == "missing":
+        return "required key missing"
+    return f"expected {_expected(error['loc'])}, got {_shown(error.get('input'))}"
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+
+
+def _schema_at(loc: tuple) -> dict:
+    """The JSON schema of the key at `loc` (references and optional values resolved)."""
+    root = Params.model_json_schema()
+    node = root
+    for part in loc:
+        node = _resolve(root, node)
+        if isinstance(part, int):
+            node = node.get("items", {})
+        elif "properties" in node:
+            node = node["properties"].get(part, {})
+        else:
+            node = node.get("additionalProperties", {}) or {}
+    return _resolve(root, node)
+
+
+def _resolve(root: dict, node: dict) -> dict:
+    while True:
+        if "$ref" in node:
+            node = root["$defs"][node["$ref"].split("/")[-1]]
+        elif "anyOf" in node:
+            options = [o for o in node["anyOf"] if o.get("type") != "null"]
+            nullable = len(options) < len(node["anyOf"])
+            node = {**_resolve(root, options[0]), "nullable": nullable,
+                    **({"description": node["description"]} if "description" in node else {})}
+            return node
+        else:
+            return node
+
+
+def _known_keys(loc: tuple) -> list[str]:
+    return sorted(_schema_at(tuple(loc)).get("properties", {}))
+
+
+_KINDS = {"integer": "an integer", "number": "a number", "string": "a string",
+          "boolean": "true or false", "object": "a mapping", "array": "a list"}
+
+
+def _expected(loc: tuple) -> str:
+    """Plain words for what the key at `loc` takes: kind, range, choices, null."""
+    schema = _schema_at(tuple(loc))
+    if "description" in schema:
+        text = schema["description"]
+    elif "enum" in schema or "const" in schema:
+        choices = schema.get("enum", [schema.get("const")])
+        text = "one of " + ", ".join(repr(c) for c in choices)
+    else:
+        text = _KINDS.get(schema.get("type"), "a value")
+        if schema.get("type") == "array":
+            item = _resolve(Params.model_json_schema(), schema.get("items", {}))
+            text += f" of {_plural(item)}" + (
+                f" (at least {schema['minItems']})" if schema.get("minItems") else "")
+        text += _bounds(schema)
+    return text + (" or null" if schema.get("nullable") else "")
+
+
+def _plural(item: dict) -> str:
+    words = {"integer": "integers", "number": "numbers", "string": "strings",
+             "object": "mappings", "boolean": "booleans"}
+    if "enum" in item:
+        return "values in " + ", ".join(repr(c) for c in item["enum"])
+    return words.get(item.get("type"), "values") + _bounds(item)
+
+
+def _bounds(schema: dict) -> str:
+    marks = [(">=", "minimum"), (">", "exclusiveMinimum"), ("<=", "maximum"),
+             ("<", "exclusiveMaximum")]
+    parts = [f"{sign} {schema[key]:g}" if isinstance(schema[key], float)
+             else f"{sign} {schema[key]}" for sign, key in marks if key in schema]
+    if "pattern" in schema:
+        parts.append(f"matching {schema['pattern']}")
+    return (" " + " and ".join(parts)) if parts else ""
