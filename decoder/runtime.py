@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from specstop.common.errors import SpecstopError
+
 from .costs import VerifyCosts
 from .draft_models import META_FILE, load_feature_head, prune_head, read_meta
 from .drafter import Drafter, FeatureDrafter, ModelDrafter
-from specstop.common.errors import SpecstopError
 from .kv import KVModel
 from .loop import DecodeConfig, Generation, generate
 from .models import (DEFAULT_CACHE, LoadedModel, chat_text, check_same_tokenizer, load_model,

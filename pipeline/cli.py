@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specstop: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"specstop: interrupted; outputs already written are kept", file=sys.stderr)
+        print("specstop: interrupted; outputs already written are kept", file=sys.stderr)
         return 130
     return 0
 

@@ -78,8 +78,8 @@ def run(params: Params) -> None:
     warning = _useless_draft_warning(best, train_config.precision)
     write_json(cfg.metrics,
                {"alpha": best["alpha"], "c": best["c"], "default": winner,
-                "sd_speedup": best["measured_speedup"], "gamma": best["best_gamma"],
-                "precision": train_config.precision, "dtype": best["dtype"],
+                "sd_speedup": best["measured_speedup"], "sd_acceptance": best["sd_acceptance"],
+                "gamma": best["best_gamma"], "precision": train_config.precision, "dtype": best["dtype"],
                 "cpu_native_bf16": cpu_has_bf16(), "warning": warning, "drafts": results})
     _write_plots(cfg.plots, results, out / "sweep")
     print(_table(results, winner))

@@ -67,6 +67,7 @@ def specstop(tmp_path: Path, capsys, stage: str, tracking_uri: str,
 @pytest.fixture(autouse=True)
 def no_env_uri(monkeypatch, tmp_path):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no test asks the real hub
     monkeypatch.chdir(tmp_path)
 
 
@@ -214,7 +215,9 @@ CASES: dict[str, Case] = {
     # model and stop-model files
     "typo-draft-folder": Case(["collect"], "data/draft/defualt: not found (run `specstop draft`",
                               _set("models", "draft", "data/draft/defualt")),
-    "relative-draft-absent": Case([*GEN[:3], "--draft", "nope_folder", *GEN[5:]], "nope_folder"),
+    "relative-draft-absent": Case([*GEN[:3], "--draft", "nope_folder", *GEN[5:]],
+                                  "'nope_folder' is neither a local folder nor a cached hub "
+                                  "model, and the hub is not reachable (HF_HUB_OFFLINE is set)"),
     "corrupt-weights": Case(["generate", "--target", "broken", "--prompt", "hi"],
                             "model.safetensors: corrupt or truncated weights",
                             setup=_corrupt_weights),

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from specstop.decoder.stop_model import load_stop_model
@@ -53,6 +54,10 @@ def test_repro_ends_with_stop_model_metrics_plots_and_runs(smoke: Path):
     assert policy.meta["family"] in {"logistic", "lightgbm", "mlp"}
     draft = json.loads((smoke / "metrics/draft.json").read_text())
     assert 0 < draft["alpha"] <= 1 and draft["c"] > 0
+    assert {"sd_speedup", "sd_acceptance", "precision", "dtype", "warning"} <= set(draft)
+    if not torch.cuda.is_available():  # trained on this CPU: its bf16 support decides
+        assert draft["precision"] == ("bf16-mixed" if draft["cpu_native_bf16"] else "32-true")
+    assert (draft["warning"] is None) == (draft["sd_speedup"] >= 1.0)
     train = json.loads((smoke / "metrics/train.json").read_text())
     for name in ["logistic", "lightgbm", "mlp"]:
         assert {"auc", "log_loss", "brier", "simulated_speedup", "fraction_of_oracle"} \

@@ -1,7 +1,8 @@
 """Every bad runtime input is one SpecstopError line naming the file (or name) and the problem:
 model folders, draft metadata and heads, stop models, cost tables, workspaces, prompts.
 
-Library functions are called directly; a few cases go through the CLI in-process."""
+Library functions are called directly; the same kinds of input through the CLI, in a project
+whose outputs must stay untouched, are cases of test_faults.py's table."""
 
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ from specstop.decoder.stop_model import load_stop_model
 from specstop.features import FEATURES
 from specstop.features.dataset import DataError
 from specstop.models.simulate import CostModel
-from specstop.pipeline.cli import main
 from specstop.pipeline.workspace import make_workspace
 
 from conftest import tiny_llama
@@ -410,49 +410,3 @@ def test_a_prompt_that_is_not_utf8_is_refused(text: str, expected: str):
     with pytest.raises(SpecstopError) as err:
         check_utf8(text)
     one_line(err, f"the prompt is not valid UTF-8 ({expected})")
-
-
-# --- through the CLI ---------------------------------------------------------------------------
-
-# case -> (options of `generate` over the defaults (<m>: the tiny model, <c>: a copy with truncated
-# weights, <s>: a stop model of the wrong shape), what the error line says)
-CLI: dict[str, tuple[dict[str, str], str]] = {
-    "corrupt-target": ({"--target": "<c>"}, "<c>/model.safetensors: corrupt or truncated"),
-    "bare-draft-name": ({"--draft": "nope_folder"}, "'nope_folder' is neither a local folder"),
-    "stop-model-shape": ({"--stop-model": "<s>"}, "<s>: the model returns [3, 2] for 3 rows"),
-    "invalid-utf8-prompt": ({"--prompt": b"h\xffi".decode("utf-8", "surrogateescape")},
-                            "the prompt is not valid UTF-8 (byte 0xff at position 1)"),
-}
-CLI_DEFAULTS = {"--target": "<m>", "--draft": "<m>", "--prompt": "hi", "--dtype": "float32",
-                "--device": "cpu", "--max-new-tokens": "2"}
-
-
-@pytest.mark.parametrize("case", CLI)
-def test_the_cli_reports_one_line(case: str, tiny_model_dir: Path, tmp_path: Path,
-                                  monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture):
-    corrupt = Path(shutil.copytree(tiny_model_dir, tmp_path / "corrupt"))
-    _truncate(corrupt)
-    names = {"<m>": str(tiny_model_dir), "<c>": str(corrupt),
-             "<s>": str(write_stop_model(tmp_path / "stop.pt", torch.jit.script(nn.Linear(F, 2))))}
-    options, expected = CLI[case]
-    argv = [names.get(v, v) for pair in {**CLI_DEFAULTS, **options}.items() for v in pair]
-    for name, value in names.items():
-        expected = expected.replace(name, value)
-    monkeypatch.chdir(tmp_path)  # no params.yaml here: the CLI's defaults
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    capfd.readouterr()
-    code = main(["generate", *argv])
-    err = capfd.readouterr().err
-    assert code == 2
-    assert len(err.splitlines()) == 1 and err.startswith("specstop: error: "), err
-    assert expected in err
-
-
-def test_the_cli_names_a_workspace_file(project: Path, tmp_path: Path,
-                                        capfd: pytest.CaptureFixture):
-    (tmp_path / "taken").write_text("a file")
-    capfd.readouterr()
-    code = main(["--params", str(project / "params.yaml"), "workspace", str(tmp_path / "taken")])
-    err = capfd.readouterr().err
-    assert code == 2
-    assert err == f"specstop: error: {tmp_path / 'taken'}: exists and is not a folder\n"
