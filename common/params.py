@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -169,14 +170,12 @@ class MLflowConfig(Section):
         return TrackingStore(self.tracking_uri, f"{self.experiment}-{stage}")
 
 
-class TrackingStore(BaseModel):
-    model_config = ConfigDict(frozen=True)
+@dataclass(frozen=True)
+class TrackingStore:
+    """Where one stage logs its MLflow runs."""
 
-    uri: str
+    uri: str  # env MLFLOW_TRACKING_URI overrides it (models.tracking.tracking_uri)
     experiment: str
-
-    def __init__(self, uri: str, experiment: str) -> None:
-        super().__init__(uri=uri, experiment=experiment)
 
 
 class CollectConfig(TreeConfig):
