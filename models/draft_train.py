@@ -25,7 +25,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, Sampler
 
 from specstop.common.params import DraftTrainConfig
-from specstop.decoder.models import native_bf16
+from specstop.decoder.models import native_bf16, resolve_device  # accelerator="auto"
 
 from .draft_corpus import Sequence
 
@@ -36,11 +36,6 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     if precision != "auto":
         return precision
     return "bf16-mixed" if native_bf16(device) else "32-true"
-
-
-def _device() -> torch.device:
-    """The device Lightning's `accelerator="auto"` trains on."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class DraftDistiller(pl.LightningModule):
@@ -270,7 +265,7 @@ def fit(module: DraftDistiller, train: list[Sequence], val: list[Sequence], fold
                                               monitor="val_loss", save_on_train_epoch_end=False)
     trainer = pl.Trainer(
         max_epochs=config.max_epochs, max_time={"minutes": config.max_minutes},
-        accelerator="auto", devices=1, precision=resolve_precision(config.precision, _device()),
+        accelerator="auto", devices=1, precision=resolve_precision(config.precision, resolve_device("auto")),
         logger=logger or False,
         callbacks=[checkpoint, pl.callbacks.EarlyStopping("val_loss", patience=config.patience),
                    LearningCurve(Path(folder) / "curve.csv"), ExactResume(batches)],

@@ -24,7 +24,7 @@ from specstop.common.errors import SpecstopError
 from specstop.decoder.loop import DecodeConfig
 from specstop.decoder.policy import ConfidenceThreshold, FixedDepth
 from specstop.common.params import BenchConfig, CollectConfig, Params
-from specstop.decoder.runtime import TRUNCATED_PREFIX, Runtime
+from specstop.decoder.runtime import Runtime
 from specstop.decoder.stop_model import LearnedPolicy, load_stop_model
 
 from . import bench_report
@@ -32,7 +32,7 @@ from .bench_decode import Method, bench_methods, decoder_method
 from .decode_args import decode_config, runtime_from
 from .export import WINNER_FILE
 from .hf_assisted import hf_method, load_assistant, speculation_settings
-from .params import require
+from .params import require, require_draft
 from .prompt_splits import read_split
 
 DEFAULT_GAMMA = 4
@@ -58,8 +58,7 @@ def run(params: Params) -> None:
     config, models, collect = params.bench, params.models, params.collect
     plan = _plan(config)  # every input of the earlier stages first, then the models
     test = _test_split(config)
-    if not models.draft.startswith(TRUNCATED_PREFIX):
-        require(Path(models.draft), "draft")
+    require_draft(models.draft)
     runtime = runtime_from(models, params.costs, need_draft=True)
     prompts = [runtime.encode(t, chat=False, special_tokens=False) for t in test["text"]]
     prompt_ids = test["prompt_id"]

@@ -22,13 +22,13 @@ from specstop.common.files import remove_temp_files, resume_or_set_aside, write_
 from specstop.common.params import CollectConfig, ModelsConfig, Params
 from specstop.decoder.loop import DecodeConfig, DecodeStats
 from specstop.decoder.policy import FixedDepth
-from specstop.decoder.runtime import TRUNCATED_PREFIX, Runtime, load_runtime
+from specstop.decoder.runtime import Runtime, load_runtime
 from specstop.features.dataset import RoundLogger, read_parts, write_part, write_schema
 
 from . import cost_model
 from .decode_args import decode_config
 from .prompt_splits import read_split
-from .params import require
+from .params import require_draft
 
 STALE = "stale"  # parts logged under other settings are moved here, never deleted
 
@@ -81,8 +81,7 @@ def run(params: Params) -> None:
     out = collect.out
     rank, world = _init_distributed()
     config = decode_config(collect, collect.method)
-    if not models.draft.startswith(TRUNCATED_PREFIX):
-        require(Path(models.draft), "draft")
+    require_draft(models.draft)
     parts = plan_parts(collect.prompts, collect.splits, collect.part_size, collect.max_prompts)
     runtime = load_runtime(models.target, models.draft, models.dtype, _device(models.device),
                            models.target_cache)  # every check before the logs are touched

@@ -90,21 +90,21 @@ def _export_one(family: str, summary: dict, X: np.ndarray, level: torch.Tensor,
     returns (metrics, metadata)."""
     model = scripted.exportable(config.train, family, X[:3], config.tree_implementation)
     path = config.out / f"{family}.pt"
-    diffs: list[float] = []
+    loaded: dict = {}
 
     def check(written: Path) -> None:  # on the written file, before it replaces `path`
-        module, _ = read_stop_model(written)
+        module, meta = read_stop_model(written)
         with torch.inference_mode():
             exported = module(torch.tensor(X)).double().numpy()
-        diffs.append(float(np.max(np.abs(exported - model.reference(X)))))
-        if not diffs[0] <= config.tolerance:
+        diff = float(np.max(np.abs(exported - model.reference(X))))
+        if not diff <= config.tolerance:
             raise SpecstopError(f"{path}: exported predictions differ from the trained {family} "
-                                f"model by {diffs[0]:.3g} on val (tolerance "
-                                f"{config.tolerance:g}); not written")
+                                f"model by {diff:.3g} on val (tolerance {config.tolerance:g}); "
+                                f"not written")
+        loaded.update(module=module, meta=meta, diff=diff)
 
     scripted.save(model.module, scripted.metadata(family, summary), path, check)
-    module, meta = read_stop_model(path)
-    diff = diffs[0]
+    module, meta, diff = loaded["module"], loaded["meta"], loaded["diff"]
     policy = LearnedPolicy(module, meta, str(path))
     latency = evaluate.decision_latency(lambda x: policy(x, None), level)
     return {"file": str(path), "bytes": path.stat().st_size, "rule": meta["rule"],

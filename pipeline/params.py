@@ -10,6 +10,7 @@ import yaml
 
 from specstop.common.errors import SpecstopError
 from specstop.common.params import Params, validate
+from specstop.decoder.runtime import TRUNCATED_PREFIX
 
 from .prompt_sources import parse_sources
 from .prompt_splits import check_fractions
@@ -47,6 +48,13 @@ def checked_params(raw: dict[str, Any], path: Path = DEFAULT_PARAMS) -> Params:
 def load_params(path: Path = DEFAULT_PARAMS, required: bool = False) -> Params:
     """The typed params of a params file (the defaults when it is absent and not required)."""
     return checked_params(read_params_file(path, required), path)
+
+
+def require_draft(draft: str) -> None:
+    """A draft folder named in `models.draft` must exist (stage `draft` writes the default);
+    `layers:N` is built from the target."""
+    if not draft.startswith(TRUNCATED_PREFIX):
+        require(Path(draft), "draft")
 
 
 def require(path: Path, stage: str) -> Path:
