@@ -26,7 +26,9 @@ smoke: install
 	$(VENV)/bin/specstop workspace build/smoke --profile smoke
 	cd build/smoke && PATH="$(CURDIR)/$(VENV)/bin:$$PATH" dvc repro
 
+# the import contracts in pyproject.toml (layers, no cycles), then the tests
 test: install
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/pytest -q
 
 clean:

@@ -1,9 +1,14 @@
-"""The one error type the CLI turns into a one-line message, and how a library's error is
+"""The error types the CLI turns into a one-line message, and how a library's error is
 shortened to fit in it."""
 
 
 class SpecstopError(Exception):
     """A user-facing error: bad input, a missing file, an incompatible model pair."""
+
+
+class DataError(SpecstopError, ValueError):
+    """A logged-data file that is missing, corrupt or of another schema (a SpecstopError: the
+    CLI prints it as one line from any stage)."""
 
 
 def first_line(err: BaseException) -> str:

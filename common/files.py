@@ -14,6 +14,8 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+from .errors import SpecstopError
+
 TEMP_NAME = re.compile(r"\..+\.[0-9a-f]{8}\.tmp")  # `write_atomic`'s temp files
 
 
@@ -95,3 +97,11 @@ def _free_name(root: Path, name: str) -> Path:
         n += 1
         dest = root / f"{name}-{n}"
     return dest
+
+
+def require(path: Path, stage: str) -> Path:
+    """`path`, which stage `stage` writes; a one-line error naming both when it is missing."""
+    if not Path(path).exists():
+        raise SpecstopError(f"{path}: not found (run `specstop {stage}` or `dvc repro {stage}` "
+                            f"first)")
+    return Path(path)

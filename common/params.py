@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 import platformdirs
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
+from . import paths
 from .errors import SpecstopError
 from .schema_errors import dotted, problem
 
@@ -57,7 +58,7 @@ class Section(BaseModel):
 
 class ModelsConfig(Section):
     target: str = "embedded"  # embedded | hub id | model folder | path/to/model.gguf
-    draft: str = "layers:2"  # a draft folder, any LM with the same tokenizer, or layers:N
+    draft: str = paths.DEFAULT_DRAFT  # a draft folder, any LM with the same tokenizer, or layers:N
     dtype: Dtype = "auto"  # auto = bf16 where the hardware has it natively, else float32
     device: Device = "auto"
     cache_dir: Path | None = None  # where `embedded` is converted; None: the per-user cache
@@ -70,7 +71,7 @@ class ModelsConfig(Section):
 
 
 class CostsConfig(Section):
-    path: Path = Path("data/costs/verify.json")
+    path: Path = paths.VERIFY_COSTS
     widths: list[PosInt] = [2, 4, 8, 16]
     context: PosInt = 200
     repeats: PosInt = 15
@@ -99,7 +100,7 @@ class DecodeParams(TreeConfig):
 
 
 class PromptsConfig(Section):
-    out: Path = Path("data/prompts")
+    out: Path = paths.PROMPTS
     seed: Seed = 0
     fractions: dict[str, NonNegFloat] = {"train": 0.7, "val": 0.15, "test": 0.15}
     sources: list[dict[str, Any]] = Field([{"embedded": "humaneval"}], min_length=1)
@@ -147,11 +148,11 @@ class DraftEvalConfig(Section):
 
 
 class DraftConfig(Section):
-    out: Path = Path("data/draft")
-    metrics: Path = Path("metrics/draft.json")
-    plots: Path = Path("metrics/draft_plots")
-    prompts: Path = Path("data/prompts")
-    verify_costs: Path = Path("data/costs/verify.json")
+    out: Path = paths.DRAFT
+    metrics: Path = paths.METRICS / "draft.json"
+    plots: Path = paths.METRICS / "draft_plots"
+    prompts: Path = paths.PROMPTS
+    verify_costs: Path = paths.VERIFY_COSTS
     max_prompts: PosInt | None = None
     seed: Seed = 0
     corpus: CorpusConfig = CorpusConfig()
@@ -179,9 +180,9 @@ class TrackingStore:
 
 
 class CollectConfig(TreeConfig):
-    prompts: Path = Path("data/prompts")
-    out: Path = Path("data/collect")
-    summary: Path = Path("metrics/collect.json")
+    prompts: Path = paths.PROMPTS
+    out: Path = paths.COLLECT
+    summary: Path = paths.METRICS / "collect.json"
     splits: list[Literal["train", "val", "test"]] = Field(["train", "val"], min_length=1)
     max_prompts: PosInt | None = None
     part_size: PosInt = 4  # prompts per Parquet part (the unit of resume and sharding)
@@ -215,10 +216,10 @@ class MLPParams(Section):
 
 
 class StopTrainConfig(Section):
-    data: Path = Path("data/collect")
-    out: Path = Path("data/train")
-    metrics: Path = Path("metrics/train.json")
-    plots: Path = Path("metrics/train_plots")
+    data: Path = paths.COLLECT
+    out: Path = paths.TRAIN
+    metrics: Path = paths.METRICS / "train.json"
+    plots: Path = paths.METRICS / "train_plots"
     families: list[Literal["logistic", "lightgbm", "mlp"]] = Field(list(STOP_FAMILIES),
                                                                    min_length=1)
     label: Literal["hard", "soft"] = "hard"
@@ -238,10 +239,10 @@ class StopTrainConfig(Section):
 
 
 class ExportConfig(Section):
-    train: Path = Path("data/train")
-    data: Path = Path("data/collect")
-    out: Path = Path("data/export")
-    metrics: Path = Path("metrics/export.json")
+    train: Path = paths.TRAIN
+    data: Path = paths.COLLECT
+    out: Path = paths.EXPORT
+    metrics: Path = paths.METRICS / "export.json"
     tolerance: NonNegFloat = 1e-5
     tree_implementation: Literal["tree_trav", "perf_tree_trav", "gemm"] = "tree_trav"
     registered_model: str = Field("specstop-stop-model", min_length=1)
@@ -249,18 +250,18 @@ class ExportConfig(Section):
 
 class BenchConfig(Section):
     prompts: PosInt = 8  # test prompts (file order)
-    prompt_dir: Path = Path("data/prompts")
+    prompt_dir: Path = paths.PROMPTS
     max_new_tokens: PosInt = 96
     temperature: Temperature = 0.7  # the sampling run (greedy always runs)
     top_p: UnitFraction = 1.0
     seed: Seed = 0
-    export: Path = Path("data/export")
-    train: Path = Path("data/train")
-    train_metrics: Path = Path("metrics/train.json")
-    draft_metrics: Path = Path("metrics/draft.json")
+    export: Path = paths.EXPORT
+    train: Path = paths.TRAIN
+    train_metrics: Path = paths.METRICS / "train.json"
+    draft_metrics: Path = paths.METRICS / "draft.json"
     assistant_draft: str | None = "data/draft/sweep/compact-l2-v4096"
-    metrics: Path = Path("metrics/bench.json")
-    plots: Path = Path("metrics/bench_plots")
+    metrics: Path = paths.METRICS / "bench.json"
+    plots: Path = paths.METRICS / "bench_plots"
 
 
 class Params(Section):

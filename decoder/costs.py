@@ -1,8 +1,12 @@
-"""Measured verification cost by pass width, and the padding it suggests.
+"""Every measured cost, in one place: what a pass costs by width, as measured and as replayed.
 
-On CPUs the cost of one target pass over n new tokens is uneven in n (fast and slow GEMM shapes,
-../shared/NOTES.md), so it is measured once per model/dtype/device rather than assumed.  The
-decode loop pads a pass to the cheapest measured width at least as large.
+- `VerifyCosts`: median seconds of one pass over n new tokens (stage `prepare`'s
+  data/costs/verify.json for the target); the decode loop pads a pass to the cheapest measured
+  width at least as large.  On CPUs the cost is uneven in n (fast and slow GEMM shapes,
+  ../shared/NOTES.md), so it is measured per model/dtype/device rather than assumed.
+- `measure_costs`: the table stage `collect` records beside the logged rounds (costs.json):
+  target pass by tree size, draft step by level width, decision latency.
+- `CostModel`: that table as the replay reads it, in target one-token steps.
 """
 
 from __future__ import annotations
@@ -14,11 +18,16 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from specstop.common.errors import SpecstopError, first_line
+from specstop.common.errors import DataError, SpecstopError, first_line
 from specstop.common.files import write_json
+from specstop.features import RoundContext, draft_features
+
 from .kv import KVModel
+from .policy import ConfidenceThreshold
+from .tree import Tree
 
 
 @dataclass(frozen=True)
@@ -113,3 +122,117 @@ def measure_verify_costs(lm: KVModel, name: str, widths: list[int], context: int
     seconds = {n: statistics.median(t) for n, t in times.items()}
     lm.reset()
     return VerifyCosts(name, str(lm.dtype).removeprefix("torch."), lm.device.type, context, seconds)
+
+
+def measure_costs(target: KVModel, draft: KVModel | None, tree: Tree, repeats: int = 10) -> dict:
+    """The cost model's table (`costs.json`): seconds per target pass by size of the tree cut
+    at each depth, per draft step by level width, per decision (features + a threshold)."""
+    tree_sizes = [tree.size(d) for d in range(tree.max_depth + 1)]
+    level_widths = sorted({tree.level_start[d + 1] - tree.level_start[d]
+                           for d in range(tree.max_depth)})
+    verify = measure_verify_costs(target, "target", tree_sizes, repeats=repeats)
+    result = {"tree_sizes": tree_sizes, "threads": torch.get_num_threads(),
+              "target": asdict(verify)}
+    if draft is not None:
+        step = measure_verify_costs(draft, "draft", level_widths, repeats=repeats)
+        result["draft"] = asdict(step)
+        result["c"] = step.seconds[1] / verify.seconds[1]
+    result["decision_seconds"] = _decision_seconds(target.vocab_size, max(level_widths),
+                                                   repeats)
+    return result
+
+
+def _decision_seconds(vocab: int, width: int, repeats: int) -> float:
+    """Features of one draft level plus a threshold decision (median seconds)."""
+    q = torch.softmax(torch.randn(width, vocab), dim=-1)
+    tokens = q.argmax(dim=1, keepdim=True)
+    ones = torch.ones(width)
+    policy = ConfidenceThreshold(0.4)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        features = draft_features(q, tokens, 1, torch.zeros(width), ones, ones,
+                                  RoundContext(0, 0, 0.0))
+        bool(policy(features).any())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds from `costs.json` (stage `collect`), read as target one-token steps."""
+
+    tree_sizes: tuple[int, ...]  # nodes of the tree cut at depth 0..max_depth
+    target: dict[int, float]  # seconds of one target pass by width
+    draft: dict[int, float]  # seconds of one draft step by width
+    decision: float  # seconds of the features + a threshold decision for one level
+
+    @classmethod
+    def load(cls, path: Path) -> "CostModel":
+        """The cost model of `costs.json`; a DataError names the file and the bad field."""
+        try:
+            raw = json.loads(Path(path).read_text())
+            return cls(_tree_sizes(raw["tree_sizes"]),
+                       seconds_by_width(raw["target"]["seconds"], "target.seconds"),
+                       seconds_by_width(raw["draft"]["seconds"], "draft.seconds"),
+                       _decision_field(raw.get("decision_seconds", 0.0)))
+        except FileNotFoundError:
+            raise DataError(f"{path}: cost model not found (run `specstop collect` first)")
+        except OSError as err:
+            raise DataError(f"{path}: cannot read the cost model ({err.strerror})") from err
+        except (KeyError, TypeError, ValueError) as err:
+            raise DataError(f"{path}: not a cost model ({field_problem(err)})") from err
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.tree_sizes) - 1
+
+    @property
+    def target_step(self) -> float:
+        return _at(self.target, 1)
+
+    def round_cost(self, extra: float = 0.0) -> np.ndarray:
+        """[max_depth + 1] cost (target steps) of a round cut at depth D; `extra` seconds per
+        decision (a learned model's latency)."""
+        sizes = (0, *self.tree_sizes)
+        steps = [_at(self.draft, sizes[d] - sizes[d - 1]) + self.decision + extra
+                 for d in range(1, self.max_depth + 1)]
+        draft = np.concatenate([[0.0], np.cumsum(steps)])
+        verify = np.array([_at(self.target, n) for n in self.tree_sizes])
+        return (draft + verify) / self.target_step
+
+    def marginal_cost(self, extra: float = 0.0) -> np.ndarray:
+        """[max_depth + 1] c + v: cost (target steps) of drafting and verifying level d + 1
+        after level d (index d; the last entry is unused)."""
+        cost = self.round_cost(extra)
+        return np.append(np.diff(cost), np.inf)
+
+
+def _tree_sizes(raw: object) -> tuple[int, ...]:
+    """Nodes of the tree cut at depth 0..D: a non-empty increasing list of positive integers."""
+    sizes = tuple(int(n) for n in raw) if isinstance(raw, list) else ()
+    if not sizes or sizes[0] < 1 or any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"field 'tree_sizes' must be an increasing list of positive node "
+                         f"counts, got {raw!r}")
+    return sizes
+
+
+def _decision_field(raw: object) -> float:
+    seconds = float(raw)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"field 'decision_seconds' must be finite and >= 0, got {raw!r}")
+    return seconds
+
+
+def _at(seconds: dict[int, float], width: int) -> float:
+    """Measured seconds at `width`, linearly interpolated (or extrapolated) between widths."""
+    if width in seconds:
+        return seconds[width]
+    widths = np.array(sorted(seconds))
+    values = np.array([seconds[w] for w in widths])
+    if len(widths) == 1:
+        return float(values[0])
+    if width > widths[-1]:
+        slope = (values[-1] - values[-2]) / (widths[-1] - widths[-2])
+        return float(values[-1] + slope * (width - widths[-1]))
+    return float(np.interp(width, widths, values))

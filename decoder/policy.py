@@ -6,6 +6,9 @@ should go on below that token.  The decode loop continues while any node says so
 just drafted is always verified.  No `.item()` inside a policy.  `parents` [n] gives each
 node's parent as a row of the previous call's level (depth > 1; at depth 1 the parents are
 roots), so a policy may keep per-branch state within a round (e.g. a product of predictions).
+
+The rules' arithmetic is written once, below, on arrays of either kind (torch here, NumPy in
+the replay, `specstop.models.rules`), so what the replay tunes is what the runtime applies.
 """
 
 from __future__ import annotations
@@ -18,6 +21,29 @@ from specstop.features import feature_index
 
 DEPTH = feature_index("depth")
 Q_TOKEN = feature_index("q_token")
+Q_ENTROPY = feature_index("q_entropy")
+
+
+def continues(score, threshold):  # [n] scores -> [n] bool
+    """Every threshold rule: draft below a node while its score exceeds the threshold."""
+    return score > threshold
+
+
+def confidence_score(features):  # [n, F] -> [n]
+    """transformers' rule: the draft's probability of its own token."""
+    return features[:, Q_TOKEN]
+
+
+def entropy_score(features):  # [n, F] -> [n]
+    """Minus the draft distribution's entropy (continue while the entropy is below -t)."""
+    return -features[:, Q_ENTROPY]
+
+
+def cost_aware_score(path_product, p, marginal, level):  # [n] each -> [n]
+    """P_d * p-hat_d / (c + v)_d: the chance the branch so far and the next token are accepted
+    (p-hat_d standing in for the next token's) per unit cost of drafting and verifying level
+    d + 1, `marginal[d]` in target steps (index d = `level`, 1 = the first drafted level)."""
+    return path_product * p / marginal[level]
 
 
 class StoppingPolicy(Protocol):
@@ -51,4 +77,4 @@ class ConfidenceThreshold:
         self.name = f"confidence-{threshold:g}"
 
     def __call__(self, features: torch.Tensor, parents: torch.Tensor | None = None) -> torch.Tensor:
-        return features[:, Q_TOKEN] >= self.threshold
+        return continues(confidence_score(features), self.threshold)

@@ -1,26 +1,24 @@
-"""Assemble a ready-to-decode runtime from names: models, tokenizer checks, drafter, costs."""
+"""A ready-to-decode runtime: the target, an optional drafter, the tokenizer and the cost table.
+
+Building one from names (a hub id, a draft folder, `layers:N`) is `specstop.drafts.loading`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from specstop.common.errors import SpecstopError
+from specstop.common.params import TreeConfig
 
 from .costs import VerifyCosts
-from .draft_models import META_FILE, load_feature_head, prune_head, read_meta
-from .drafter import Drafter, FeatureDrafter, ModelDrafter
+from .drafter import Drafter
 from .kv import KVModel
+from .load import chat_text
 from .loop import DecodeConfig, Generation, generate
-from .models import (DEFAULT_CACHE, LoadedModel, chat_text, check_same_tokenizer, load_model,
-                     resolve_device, resolve_dtype, truncated_draft)
 from .policy import StoppingPolicy
 from .sampling import Sampling
-
-TRUNCATED_PREFIX = "layers:"
 
 
 @dataclass
@@ -68,53 +66,6 @@ class Runtime:
                         **kwargs)
 
 
-def load_runtime(target: str, draft: str | None, dtype: str = "auto", device: str = "auto",
-                 cache_dir: Path = DEFAULT_CACHE, costs: Path | None = None) -> Runtime:
-    """Load the target, the draft (`layers:N` truncates the target) and an optional cost table."""
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    loaded = load_model(target, dt, dev, cache_dir)
-    vocab = loaded.model.config.vocab_size
-    drafter = None
-    if draft:
-        if draft.startswith(TRUNCATED_PREFIX):
-            try:
-                layers = int(draft.removeprefix(TRUNCATED_PREFIX))
-            except ValueError:
-                raise SpecstopError(f"bad draft '{draft}': expected layers:N")
-            draft_model = truncated_draft(loaded.model, layers)
-            drafter = ModelDrafter(KVModel(draft_model, vocab_size=vocab))
-        else:
-            drafter = _load_drafter(draft, loaded, dt, dev, cache_dir)
-    table = None
-    if costs is not None and Path(costs).is_file():
-        table = VerifyCosts.load(costs)
-        if (table.model, table.dtype, table.device) != (target, str(dt).removeprefix("torch."),
-                                                        dev.type):
-            table = None  # measured for another model, dtype or device: not applicable
-    limit = getattr(loaded.model.config, "max_position_embeddings", None) or 1 << 30
-    return Runtime(KVModel(loaded.model), drafter, loaded.tokenizer, table, limit)
-
-
-def _load_drafter(draft: str, target: LoadedModel, dtype: torch.dtype, device: torch.device,
-                  cache_dir: Path) -> Drafter:
-    """A draft folder built by `specstop draft` (either family), or any LM with the same tokenizer."""
-    vocab = target.model.config.vocab_size
-    meta = read_meta(Path(draft)) if Path(draft).is_dir() else None
-    if meta is not None and meta["family"] == "feature":
-        head = load_feature_head(Path(draft), target.model, meta)
-        return FeatureDrafter(KVModel(head.model, vocab_size=vocab, vocab_ids=head.vocab_ids))
-    other = load_model(draft, dtype, device, cache_dir)
-    check_same_tokenizer(target.tokenizer, other.tokenizer, target.source, draft)
-    ids = None if meta is None or meta["vocab_ids"] is None else torch.tensor(meta["vocab_ids"])
-    rows = other.model.config.vocab_size
-    if ids is not None and int(ids.max()) >= rows:
-        raise SpecstopError(f"{Path(draft) / META_FILE}: vocab_ids name token {int(ids.max())}, "
-                            f"beyond the draft's vocabulary of {rows}")
-    model = other.model if ids is None else prune_head(other.model, ids)
-    return ModelDrafter(KVModel(model, vocab_size=vocab, vocab_ids=ids))
-
-
 def check_utf8(text: str) -> None:
     """Refuse text that is not valid UTF-8: argv bytes that are not arrive as lone surrogates."""
     try:
@@ -130,5 +81,17 @@ def check_utf8(text: str) -> None:
 def sampling_from(temperature: float, top_p: float) -> Sampling:
     try:
         return Sampling(temperature, top_p)
+    except ValueError as err:
+        raise SpecstopError(str(err)) from err
+
+
+def decode_config(tree: TreeConfig, method: str) -> DecodeConfig:
+    """The runtime's decode config for `method` with the tree and sampling options of `tree`."""
+    try:
+        return DecodeConfig(
+            method=method, max_new_tokens=tree.max_new_tokens,
+            sampling=sampling_from(tree.temperature, tree.top_p), max_depth=tree.max_depth,
+            mcsd_branching=tuple(tree.mcsd_branching), ti_width=tree.ti_width,
+            lossy=tree.lossy, without_replacement=tree.without_replacement)
     except ValueError as err:
         raise SpecstopError(str(err)) from err

@@ -3,8 +3,7 @@
 The file's one interface is `forward(features [N, F] float32) -> P(accept) [N]`; its metadata
 (`_extra_files["specstop.json"]`) names the feature list and schema version it was trained on,
 the family, the tuned rule and its parameters, the training data digest and the MLflow run.
-The rules are those the simulator tuned (`specstop.models.rules`), so the replay and the
-runtime agree:
+The rules are those the replay tuned, with the arithmetic both share (`.policy`):
 
 - threshold: continue below a node while p-hat > t;
 - cost_aware: continue below a node while P_d * p-hat_d / (c + v)_d > rho: P_d the product of
@@ -22,11 +21,12 @@ from pathlib import Path
 
 import torch
 
+from specstop.common.errors import SpecstopError, first_line
 from specstop.features import FEATURES, SCHEMA_VERSION, feature_index
 
-from specstop.common.errors import SpecstopError, first_line
+from .policy import continues, cost_aware_score
 
-META_FILE = "specstop.json"
+STOP_MODEL_META = "specstop.json"
 RULES = ("threshold", "cost_aware")
 DEPTH = feature_index("depth")
 
@@ -36,24 +36,24 @@ def read_stop_model(path: Path) -> tuple[torch.jit.ScriptModule, dict]:
     path = Path(path)
     if not path.is_file():
         raise SpecstopError(f"stop model not found: {path}")
-    extra = {META_FILE: ""}
+    extra = {STOP_MODEL_META: ""}
     try:
         module = torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
     except (RuntimeError, ValueError) as err:
         reason = first_line(err).split(". ")[0]  # torch appends paragraphs of advice
         raise SpecstopError(f"{path}: not a TorchScript stop model ({reason})") from err
-    if not extra[META_FILE]:
-        raise SpecstopError(f"{path}: no {META_FILE} metadata inside (export it with "
+    if not extra[STOP_MODEL_META]:
+        raise SpecstopError(f"{path}: no {STOP_MODEL_META} metadata inside (export it with "
                             f"`specstop export`)")
     try:
-        meta = json.loads(extra[META_FILE])
+        meta = json.loads(extra[STOP_MODEL_META])
     except ValueError as err:
-        raise SpecstopError(f"{path}: unreadable {META_FILE} ({first_line(err)})") from err
-    check_schema(meta, path)
+        raise SpecstopError(f"{path}: unreadable {STOP_MODEL_META} ({first_line(err)})") from err
+    check_feature_schema(meta, path)
     return module.eval(), meta
 
 
-def check_schema(meta: dict, path: Path) -> None:
+def check_feature_schema(meta: dict, path: Path) -> None:
     """Refuse a model trained on another feature vector than `specstop.features` computes."""
     version, names = meta.get("feature_schema_version"), meta.get("features")
     ours = [f.name for f in FEATURES]
@@ -80,12 +80,13 @@ class LearnedPolicy:
         try:
             self.threshold = float(meta["threshold"])
             self.rho = float(meta["rho"])
-            marginal = [float(c) for c in meta["marginal_cost"]] + [float("inf")]
+            # indexed by level as the replay's: 0 unused, then marginal_cost[d - 1], then stop
+            marginal = [float("inf")] + [float(c) for c in meta["marginal_cost"]] + [float("inf")]
             self.name = f"{meta['family']}-{self.rule}"
         except (KeyError, TypeError, ValueError) as err:
             raise SpecstopError(f"{source or 'stop model'}: incomplete metadata "
                                 f"({type(err).__name__}: {err})") from err
-        self.marginal = torch.tensor(marginal, dtype=torch.float64)  # [levels + 1] by depth - 1
+        self.marginal = torch.tensor(marginal, dtype=torch.float64)  # [levels + 2] by depth
         self.device = torch.device("cpu")
         self._product: torch.Tensor | None = None  # [n] P_d of the previous call's level
         self.calls = 0
@@ -104,7 +105,7 @@ class LearnedPolicy:
         start = time.perf_counter()
         p = self.probabilities(features)
         if self.rule == "threshold":
-            go_on = p > self.threshold
+            go_on = continues(p, self.threshold)
         else:
             go_on = self._cost_aware(p.double(), features[:, DEPTH], parents)
         self.calls += 1
@@ -121,8 +122,8 @@ class LearnedPolicy:
             last = self._product.numel() - 1  # parents of depth-1 rows are roots: any index
             product = torch.where(first, p, self._product[parents.clamp(0, last)] * p)
         self._product = product
-        level = (depth.long() - 1).clamp(0, self.marginal.numel() - 1)
-        return product * p / self.marginal[level] > self.rho
+        level = depth.long().clamp(1, self.marginal.numel() - 1)
+        return continues(cost_aware_score(product, p, self.marginal, level), self.rho)
 
     def summary(self) -> str:
         per_call = self.seconds / self.calls * 1e3 if self.calls else 0.0

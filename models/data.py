@@ -33,7 +33,9 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
 from specstop.features import FEATURES, SCHEMA_VERSION
-from specstop.features.dataset import DataError, check_part, corrupt
+from specstop.common.errors import DataError
+
+from .rows import check_part, corrupt
 
 FEATURE_NAMES = [f.name for f in FEATURES]
 LABEL_TYPES = ("hard", "soft")

@@ -16,14 +16,18 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from specstop.common import tracking
 from specstop.common.errors import SpecstopError
-from specstop.common.params import StopTrainConfig, TrackingStore
 from specstop.common.files import write_json
+from specstop.common.params import StopTrainConfig, TrackingStore
+from specstop.decoder.costs import CostModel
+from specstop.decoder.policy import confidence_score, continues, entropy_score
 from specstop.features import feature_index
 
-from . import data, evaluate, plots, rules, tracking
-from .families import FITTERS, FitData, StopModel, fit_data, search_space
-from .simulate import CostModel, Replay, SimResult
+from . import data, evaluate, plots, rules
+from .families import FITTERS, StopModel, search_space
+from .fit_data import FitData, fit_data
+from .simulate import Replay, SimResult
 
 log = logging.getLogger(__name__)
 
@@ -120,13 +124,12 @@ def _bench(dataset: data.Dataset, config: StopTrainConfig, store: TrackingStore)
 
 def _baselines(bench: Bench) -> dict[str, Entry]:
     """Fixed gamma, q_token threshold (tuned and transformers' 0.4), entropy threshold."""
-    q_token = bench.X[:, feature_index("q_token")]
-    entropy = bench.X[:, feature_index("q_entropy")]
-    q_labelled = bench.X_labelled[:, feature_index("q_token")]
-    e_labelled = bench.X_labelled[:, feature_index("q_entropy")]
+    q_token, q_labelled = confidence_score(bench.X), confidence_score(bench.X_labelled)
+    minus_entropy = entropy_score(bench.X)
+    e_labelled = -entropy_score(bench.X_labelled)
     replay, costs, grid = bench.replay, bench.costs, bench.config.threshold_grid
     level_q = replay.level_max(q_token)
-    default = replay.simulate(replay.cut(level_q >= TRANSFORMERS_THRESHOLD), costs)
+    default = replay.simulate(replay.cut(continues(level_q, TRANSFORMERS_THRESHOLD)), costs)
     return {
         "fixed": Entry("fixed", _no_quality(), {"fixed": bench.static}),
         "confidence": Entry("confidence", evaluate.quality(bench.y_labelled, q_labelled),
@@ -137,14 +140,14 @@ def _baselines(bench: Bench) -> dict[str, Entry]:
                                                           default)}),
         "entropy": Entry("entropy", {**_no_quality(), "auc": evaluate.quality(
             bench.y_labelled, 1 / (1 + e_labelled))["auc"]},
-            {"threshold": _entropy_rule(replay, costs, entropy, grid)}),
+            {"threshold": _entropy_rule(replay, costs, minus_entropy, grid)}),
     }
 
 
-def _entropy_rule(replay: Replay, costs: CostModel, entropy: np.ndarray, grid: int
+def _entropy_rule(replay: Replay, costs: CostModel, minus_entropy: np.ndarray, grid: int
                   ) -> rules.Tuned:
     """Continue while the entropy < t: a threshold on -entropy, reported as t."""
-    tuned = rules.tune_threshold(replay, costs, -entropy, grid)
+    tuned = rules.tune_threshold(replay, costs, minus_entropy, grid)
     return rules.Tuned("threshold", -tuned.parameter, tuned.result,
                        [(-t, s) for t, s in tuned.curve])
 

@@ -11,7 +11,6 @@ weight 1 - y (logistic regression), as the cross-entropy objective (LightGBM, ML
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -21,7 +20,9 @@ from sklearn.pipeline import Pipeline, make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from specstop.common.files import write_atomic, write_json
-from specstop.features.dataset import DataError
+
+from .fit_data import FitData
+from .mlp import fit_mlp
 
 
 class StopModel(Protocol):
@@ -38,41 +39,10 @@ class StopModel(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class FitData:
-    """Training rows and the prompts held out of them for early stopping and search."""
-
-    X: np.ndarray  # [n, F] float32
-    y: np.ndarray  # [n] in [0, 1]
-    w: np.ndarray  # [n] class weights
-    X_stop: np.ndarray  # [m, F] early-stopping rows (other prompts)
-    y_stop: np.ndarray  # [m]
-    w_stop: np.ndarray  # [m]
-    logit_offset: float  # log(w1 / w0): subtract from the fitted logit
-
-
-def fit_data(X: np.ndarray, y: np.ndarray, groups: np.ndarray, class_weight: str,
-             stop_fraction: float, seed: int) -> FitData:
-    """Hold out a fraction of the training prompts (never rows of a prompt) and weight classes."""
-    if class_weight not in ("balanced", "none"):
-        raise DataError(f"train.class_weight must be 'balanced' or 'none', got '{class_weight}'")
-    prompts = np.unique(groups)
-    rng = np.random.default_rng(seed)
-    held = rng.choice(prompts, size=max(1, int(round(stop_fraction * len(prompts)))),
-                      replace=False) if len(prompts) > 1 else np.array([])
-    stop = np.isin(groups, held)
-    w1, w0 = _class_weights(y[~stop], class_weight)
-    weights = (w1 * y + w0 * (1 - y)).astype(np.float32)
-    return FitData(X[~stop], y[~stop], weights[~stop], X[stop], y[stop], weights[stop],
-                   float(np.log(w1 / w0)))
-
-
-def _class_weights(y: np.ndarray, class_weight: str) -> tuple[float, float]:
-    """(w1, w0): each class weighs half of the total when balanced."""
-    if class_weight == "none":
-        return 1.0, 1.0
-    positive = float(np.clip(y.mean(), 1e-6, 1 - 1e-6))
-    return 0.5 / positive, 0.5 / (1 - positive)
+def logistic_proba(X: np.ndarray, mean: np.ndarray, scale: np.ndarray, coef: np.ndarray,
+                   intercept: float) -> np.ndarray:
+    """[n] P(accept) of the logistic family from its saved numbers (logistic.json)."""
+    return 1.0 / (1.0 + np.exp(-(((X - mean) / scale) @ coef + intercept)))
 
 
 class Logistic:
@@ -87,8 +57,7 @@ class Logistic:
     def predict_proba(self, X: np.ndarray) -> np.ndarray:
         """The saved arithmetic (as exported), not the pipeline's per-call validation."""
         scaler, lr = self.pipeline[0], self.pipeline[-1]
-        logit = ((X - scaler.mean_) / scaler.scale_) @ lr.coef_[0] + lr.intercept_[0]
-        return 1.0 / (1.0 + np.exp(-logit))
+        return logistic_proba(X, scaler.mean_, scaler.scale_, lr.coef_[0], lr.intercept_[0])
 
     def save(self, folder: Path) -> Path:
         """logistic.json: the scaler (mean, scale) and the coefficients over scaled features."""
@@ -167,14 +136,8 @@ def fit_lightgbm(data: FitData, hp: dict, seed: int) -> LightGBM:
                      "best_iteration": booster.current_iteration()})
 
 
-def _fit_mlp(data: FitData, hp: dict, seed: int):
-    from .mlp import fit_mlp
-
-    return fit_mlp(data, hp, seed)
-
-
 FITTERS: dict[str, Callable[[FitData, dict, int], StopModel]] = {
-    "logistic": fit_logistic, "lightgbm": fit_lightgbm, "mlp": _fit_mlp}
+    "logistic": fit_logistic, "lightgbm": fit_lightgbm, "mlp": fit_mlp}
 
 
 def search_space(family: str, trial) -> dict:

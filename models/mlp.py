@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from specstop.common.files import write_atomic, write_json
 
-from .families import FitData
+from .fit_data import FitData
 
 
 class StopNet(nn.Module):

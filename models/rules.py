@@ -1,7 +1,7 @@
 """Stopping rules scored by the replay, and their tuning on val.
 
 Every rule is "after drafting level d, draft level d + 1 while some node of level d has a score
-above a threshold":
+above a threshold"; the scores and the comparison are the runtime's own (`decoder.policy`):
 
 - fixed gamma: depth < gamma (`Replay.fixed`), gamma tuned over 1..max_depth;
 - confidence (transformers' rule): score = q_token, the draft's probability of its own token;
@@ -26,7 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .simulate import CostModel, Replay, SimResult
+from specstop.decoder.costs import CostModel
+from specstop.decoder.policy import continues, cost_aware_score
+
+from .simulate import Replay, SimResult
 
 
 @dataclass(frozen=True)
@@ -52,28 +55,27 @@ def tune_threshold(replay: Replay, costs: CostModel, score: np.ndarray, grid: in
     curve = []
     best: tuple[float, SimResult] | None = None
     for t in _candidates(level_max, grid):
-        result = replay.simulate(replay.cut(level_max > t), costs, extra)
+        result = replay.simulate(replay.cut(continues(level_max, t)), costs, extra)
         curve.append((float(t), result.speedup))
         if best is None or result.speedup > best[1].speedup:
             best = (float(t), result)
     return Tuned(rule, best[0], best[1], curve)
 
 
-def cost_aware_score(replay: Replay, costs: CostModel, p: np.ndarray,
-                     extra: float = 0.0) -> np.ndarray:
-    """[n] P_d * p-hat_d / (c + v)_d per row: the rule continues while it exceeds rho."""
-    marginal = costs.marginal_cost(extra)
-    return replay.path_product(p) * p / marginal[replay.level]
+def cost_aware_scores(replay: Replay, costs: CostModel, p: np.ndarray,
+                      extra: float = 0.0) -> np.ndarray:
+    """[n] the cost-aware score of every row: the rule continues while it exceeds rho."""
+    return cost_aware_score(replay.path_product(p), p, costs.marginal_cost(extra), replay.level)
 
 
 def tune_cost_aware(replay: Replay, costs: CostModel, p: np.ndarray, start_rho: float,
                     iterations: int, grid: int, extra: float = 0.0) -> Tuned:
     """rho by Dinkelbach's iteration from `start_rho`; the curve sweeps rho for the plots."""
-    score = cost_aware_score(replay, costs, p, extra)
+    score = cost_aware_scores(replay, costs, p, extra)
     level_max = replay.level_max(score)
     rho, visited = start_rho, []
     for _ in range(max(iterations, 1)):
-        result = replay.simulate(replay.cut(level_max > rho), costs, extra)
+        result = replay.simulate(replay.cut(continues(level_max, rho)), costs, extra)
         visited.append((rho, result))
         if abs(result.speedup - rho) < 1e-9:
             break

@@ -21,10 +21,10 @@ from torch import nn
 
 from specstop.common.errors import SpecstopError
 from specstop.common.files import write_atomic
-from specstop.decoder.stop_model import META_FILE
+from specstop.decoder.stop_model import STOP_MODEL_META
 from specstop.features import FEATURES, SCHEMA_VERSION
 
-from .families import LightGBM
+from .families import LightGBM, logistic_proba
 from .mlp import MLP, StopNet
 
 FORMAT = "specstop-stop-model"
@@ -85,8 +85,8 @@ def _logistic(folder: Path, example: np.ndarray, tree_implementation: str):
     spec = json.loads((folder / "logistic.json").read_text())
     mean, scale, coef = (np.asarray(spec[k]) for k in ("mean", "scale", "coef"))
 
-    def reference(X: np.ndarray) -> np.ndarray:  # as families.Logistic.predict_proba
-        return 1.0 / (1.0 + np.exp(-(((X - mean) / scale) @ coef + spec["intercept"])))
+    def reference(X: np.ndarray) -> np.ndarray:
+        return logistic_proba(X, mean, scale, coef, spec["intercept"])
 
     return Probability(LinearLogit(spec["mean"], spec["scale"], spec["coef"],
                                    spec["intercept"])), reference
@@ -136,7 +136,7 @@ def save(module: torch.jit.ScriptModule, meta: dict, path: Path,
         raise SpecstopError(f"the models were trained on feature schema version "
                             f"{meta['feature_schema_version']}, this specstop computes "
                             f"{SCHEMA_VERSION}; re-run collect and train")
-    extra = {META_FILE: json.dumps(meta, indent=1)}
+    extra = {STOP_MODEL_META: json.dumps(meta, indent=1)}
     def write(tmp: Path) -> None:
         torch.jit.save(module, str(tmp), _extra_files=extra)
         if check is not None:

@@ -21,98 +21,14 @@ start its rounds at other positions of the output and see other rounds.
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from specstop.decoder.costs import field_problem, seconds_by_width
-from specstop.features.dataset import DataError
+from specstop.decoder.costs import CostModel
 
 from .data import ROUND_KEYS
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Seconds from `costs.json` (stage `collect`), read as target one-token steps."""
-
-    tree_sizes: tuple[int, ...]  # nodes of the tree cut at depth 0..max_depth
-    target: dict[int, float]  # seconds of one target pass by width
-    draft: dict[int, float]  # seconds of one draft step by width
-    decision: float  # seconds of the features + a threshold decision for one level
-
-    @classmethod
-    def load(cls, path: Path) -> "CostModel":
-        """The cost model of `costs.json`; a DataError names the file and the bad field."""
-        try:
-            raw = json.loads(Path(path).read_text())
-            return cls(_tree_sizes(raw["tree_sizes"]),
-                       seconds_by_width(raw["target"]["seconds"], "target.seconds"),
-                       seconds_by_width(raw["draft"]["seconds"], "draft.seconds"),
-                       _decision_seconds(raw.get("decision_seconds", 0.0)))
-        except FileNotFoundError:
-            raise DataError(f"{path}: cost model not found (run `specstop collect` first)")
-        except OSError as err:
-            raise DataError(f"{path}: cannot read the cost model ({err.strerror})") from err
-        except (KeyError, TypeError, ValueError) as err:
-            raise DataError(f"{path}: not a cost model ({field_problem(err)})") from err
-
-    @property
-    def max_depth(self) -> int:
-        return len(self.tree_sizes) - 1
-
-    @property
-    def target_step(self) -> float:
-        return _at(self.target, 1)
-
-    def round_cost(self, extra: float = 0.0) -> np.ndarray:
-        """[max_depth + 1] cost (target steps) of a round cut at depth D; `extra` seconds per
-        decision (a learned model's latency)."""
-        sizes = (0, *self.tree_sizes)
-        steps = [_at(self.draft, sizes[d] - sizes[d - 1]) + self.decision + extra
-                 for d in range(1, self.max_depth + 1)]
-        draft = np.concatenate([[0.0], np.cumsum(steps)])
-        verify = np.array([_at(self.target, n) for n in self.tree_sizes])
-        return (draft + verify) / self.target_step
-
-    def marginal_cost(self, extra: float = 0.0) -> np.ndarray:
-        """[max_depth + 1] c + v: cost (target steps) of drafting and verifying level d + 1
-        after level d (index d; the last entry is unused)."""
-        cost = self.round_cost(extra)
-        return np.append(np.diff(cost), np.inf)
-
-
-def _tree_sizes(raw: object) -> tuple[int, ...]:
-    """Nodes of the tree cut at depth 0..D: a non-empty increasing list of positive integers."""
-    sizes = tuple(int(n) for n in raw) if isinstance(raw, list) else ()
-    if not sizes or sizes[0] < 1 or any(b <= a for a, b in zip(sizes, sizes[1:])):
-        raise ValueError(f"field 'tree_sizes' must be an increasing list of positive node "
-                         f"counts, got {raw!r}")
-    return sizes
-
-
-def _decision_seconds(raw: object) -> float:
-    seconds = float(raw)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"field 'decision_seconds' must be finite and >= 0, got {raw!r}")
-    return seconds
-
-
-def _at(seconds: dict[int, float], width: int) -> float:
-    """Measured seconds at `width`, linearly interpolated (or extrapolated) between widths."""
-    if width in seconds:
-        return seconds[width]
-    widths = np.array(sorted(seconds))
-    values = np.array([seconds[w] for w in widths])
-    if len(widths) == 1:
-        return float(values[0])
-    if width > widths[-1]:
-        slope = (values[-1] - values[-2]) / (widths[-1] - widths[-2])
-        return float(values[-1] + slope * (width - widths[-1]))
-    return float(np.interp(width, widths, values))
 
 
 @dataclass(frozen=True)

@@ -105,8 +105,10 @@ def _quiet_transformers() -> None:
 
 
 def _generate(args: argparse.Namespace, params: Params) -> None:
+    from specstop.decoder.runtime import decode_config
     from specstop.decoder.stop_model import LearnedPolicy
-    from .decode_args import decode_config, runtime_from, stopping_policy
+    from specstop.drafts.loading import runtime_from
+    from .decode_args import stopping_policy
 
     _quiet_transformers()
     decode = params.decode
@@ -130,9 +132,11 @@ def _workspace(args: argparse.Namespace, raw: dict) -> None:
 
 
 def _bench_decode(args: argparse.Namespace, params: Params) -> None:
-    from .bench_decode import bench, humaneval_problems, score_humaneval, table
-    from .prompt_sources import humaneval_request
-    from .decode_args import decode_config, runtime_from, stopping_policy
+    from specstop.decoder.runtime import decode_config
+    from specstop.drafts.loading import runtime_from
+    from specstop.evaluation.side_by_side import bench, humaneval_problems, score_humaneval, table
+    from specstop.prompts.sources import humaneval_request
+    from .decode_args import stopping_policy
 
     _quiet_transformers()
     if args.execute_code and args.prompt:

@@ -1,16 +1,12 @@
-"""Decoding options shared by `generate`, `bench-decode` and the stages: CLI flags over
-params.yaml's `decode` and `models` sections, checked by the params schema."""
+"""The CLI's decoding options for `generate` and `bench-decode`: flags over params.yaml's
+`decode` and `models` sections, checked by the params schema, and the policy they name."""
 
 from __future__ import annotations
 
 import argparse
 
-from specstop.common.errors import SpecstopError
-from specstop.common.params import (DecodeParams, ModelsConfig, CostsConfig, Params, TreeConfig,
-                                    with_overrides)
-from specstop.decoder.loop import DecodeConfig
+from specstop.common.params import DecodeParams, Params, with_overrides
 from specstop.decoder.policy import ConfidenceThreshold, FixedDepth, StoppingPolicy
-from specstop.decoder.runtime import Runtime, load_runtime, sampling_from
 from specstop.decoder.stop_model import load_stop_model
 
 MODEL_FLAGS = ("target", "draft", "dtype", "device")
@@ -51,18 +47,6 @@ def with_flags(params: Params, args: argparse.Namespace, source: str) -> Params:
     return with_overrides(params, source, decode=given(DECODE_FLAGS), models=given(MODEL_FLAGS))
 
 
-def decode_config(tree: TreeConfig, method: str) -> DecodeConfig:
-    """The runtime's decode config for `method` with the tree and sampling options of `tree`."""
-    try:
-        return DecodeConfig(
-            method=method, max_new_tokens=tree.max_new_tokens,
-            sampling=sampling_from(tree.temperature, tree.top_p), max_depth=tree.max_depth,
-            mcsd_branching=tuple(tree.mcsd_branching), ti_width=tree.ti_width,
-            lossy=tree.lossy, without_replacement=tree.without_replacement)
-    except ValueError as err:
-        raise SpecstopError(str(err)) from err
-
-
 def stopping_policy(decode: DecodeParams) -> StoppingPolicy:
     """The exported decision model if one is named, else the fixed or confidence policy."""
     if decode.stop_model is not None:
@@ -70,9 +54,3 @@ def stopping_policy(decode: DecodeParams) -> StoppingPolicy:
     if decode.policy == "confidence":
         return ConfidenceThreshold(decode.threshold)
     return FixedDepth(decode.gamma)
-
-
-def runtime_from(models: ModelsConfig, costs: CostsConfig, need_draft: bool) -> Runtime:
-    return load_runtime(target=models.target, draft=models.draft if need_draft else None,
-                        dtype=models.dtype, device=models.device, cache_dir=models.target_cache,
-                        costs=costs.path)

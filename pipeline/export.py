@@ -1,34 +1,12 @@
-"""Stage `export`: every trained decision model as one TorchScript file, the winner copied to
-`stop_model.pt` and registered in the MLflow model registry; writes metrics/export.json.
-
-Each file is checked on the val rows after a round trip through the file: its predictions must
-equal the trained model's within `tolerance`, or the stage fails.  The winner is the fastest
-family by simulated speed on val (its tuned rule); ties go to the lower decision latency of the
-exported file.
-"""
+"""Stage `export`: every trained decision model as TorchScript, the winner registered
+(`specstop.models.export`)."""
 
 from __future__ import annotations
 
-import json
-import logging
-import shutil
 import time
-from pathlib import Path
 
-import numpy as np
-import torch
-from tqdm import tqdm
-
-from specstop.common.errors import SpecstopError
-from specstop.common.files import write_atomic, write_json
-from specstop.common.params import ExportConfig, Params, TrackingStore
-from specstop.decoder.stop_model import LearnedPolicy, read_stop_model
-from specstop.features import feature_index
-from specstop.features.dataset import DataError
-from specstop.models import data, evaluate, scripted, tracking
-
-
-WINNER_FILE = "stop_model.pt"
+from specstop.common.params import Params
+from specstop.models.export import WINNER_FILE, export
 
 
 def run(params: Params) -> None:
@@ -39,120 +17,6 @@ def run(params: Params) -> None:
     print(f"export: {time.perf_counter() - start:.0f} s; {config.out / WINNER_FILE} "
           f"({metrics['winner']}), registered as {metrics['registered_model']} version "
           f"{metrics['model_version']}; metrics in {config.metrics}")
-
-
-def export(config: ExportConfig, store: TrackingStore) -> dict:
-    """Export, check and time every family; copy and register the winner; write the metrics."""
-    tracking.check(tracking.tracking_uri(store.uri))  # before the work, not after
-    summary = _summary(config.train)
-    X = _val_features(config.data, summary)
-    level = torch.tensor(X[X[:, feature_index("depth")] == 1][:3])  # one level of ti-mcsd
-    families, metas = {}, {}
-    for family in tqdm(summary["families"], desc="export", unit="model"):
-        families[family], metas[family] = _export_one(family, summary, X, level, config)
-    winner = _winner(families)
-    path = config.out / WINNER_FILE
-    write_atomic(path, lambda tmp: shutil.copyfile(config.out / f"{winner}.pt", tmp))
-    registered = _register(path, metas[winner], families[winner], config, store)
-    metrics = {"winner": winner, "file": str(path), "val_rows": int(len(X)),
-               "tolerance": config.tolerance,
-               "max_abs_diff": families[winner]["max_abs_diff"], **registered,
-               "families": families}
-    write_json(config.metrics, metrics)
-    return metrics
-
-
-def _summary(folder: Path) -> dict:
-    path = folder / "summary.json"
-    if not path.is_file():
-        raise SpecstopError(f"{path}: not found (run `specstop train` first)")
-    summary = json.loads(path.read_text())
-    if not summary.get("families"):
-        raise SpecstopError(f"{path}: no trained decision model to export")
-    return summary
-
-
-def _val_features(folder: Path, summary: dict) -> np.ndarray:
-    """[n, F] the val rows the models were scored on; refuses data changed since training."""
-    try:
-        dataset = data.load(folder, summary["label"])
-    except DataError as err:
-        raise SpecstopError(str(err)) from err
-    if dataset.digest != summary["dataset_digest"]:
-        raise SpecstopError(f"{folder} changed since stage train (digest {dataset.digest[:12]} "
-                            f"vs {summary['dataset_digest'][:12]}); re-run `specstop train`")
-    return dataset.val.features
-
-
-def _export_one(family: str, summary: dict, X: np.ndarray, level: torch.Tensor,
-                config: ExportConfig) -> tuple[dict, dict]:
-    """Script, save, reload, compare with the trained model on val, time one decision;
-    returns (metrics, metadata)."""
-    model = scripted.exportable(config.train, family, X[:3], config.tree_implementation)
-    path = config.out / f"{family}.pt"
-    loaded: dict = {}
-
-    def check(written: Path) -> None:  # on the written file, before it replaces `path`
-        module, meta = read_stop_model(written)
-        with torch.inference_mode():
-            exported = module(torch.tensor(X)).double().numpy()
-        diff = float(np.max(np.abs(exported - model.reference(X))))
-        if not diff <= config.tolerance:
-            raise SpecstopError(f"{path}: exported predictions differ from the trained {family} "
-                                f"model by {diff:.3g} on val (tolerance {config.tolerance:g}); "
-                                f"not written")
-        loaded.update(module=module, meta=meta, diff=diff)
-
-    scripted.save(model.module, scripted.metadata(family, summary), path, check)
-    module, meta, diff = loaded["module"], loaded["meta"], loaded["diff"]
-    policy = LearnedPolicy(module, meta, str(path))
-    latency = evaluate.decision_latency(lambda x: policy(x, None), level)
-    return {"file": str(path), "bytes": path.stat().st_size, "rule": meta["rule"],
-            "simulated_speedup": meta["simulated_speedup"], "max_abs_diff": diff,
-            "decision_latency_ms": latency * 1e3, "mlflow_run_id": meta["mlflow_run_id"]}, meta
-
-
-def _winner(families: dict[str, dict]) -> str:
-    """Fastest simulated family; ties go to the lower exported decision latency."""
-    return min(families, key=lambda f: (-round(families[f]["simulated_speedup"], 9),
-                                        families[f]["decision_latency_ms"]))
-
-
-def _register(path: Path, meta: dict, exported: dict, config: ExportConfig,
-              store: TrackingStore) -> dict:
-    """Log the winner (an MLflow PyTorch model holding the exact file) to its training run, or
-    to a new run where the store does not have it, and register it."""
-    import mlflow
-
-    uri = tracking.tracking_uri(store.uri)
-    tracking.start(uri, store.experiment)
-    run_id = meta["mlflow_run_id"] if _has_run(meta["mlflow_run_id"]) else None
-    module, _ = read_stop_model(path)
-    with mlflow.start_run(run_id=run_id, run_name=None if run_id else f"export-{meta['family']}"):
-        tracking.log(metrics={"export_max_abs_diff": exported["max_abs_diff"],
-                              "export_decision_latency_ms": exported["decision_latency_ms"]},
-                     tags={"stop_model": "winner"})
-        logging.getLogger("mlflow.pytorch").setLevel(logging.ERROR)  # a ScriptModule is
-        info = mlflow.pytorch.log_model(  # saved by torch.jit.save, not pickled, despite the name
-            module, name="stop_model", extra_files=[str(path)], metadata=meta,
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
-            registered_model_name=config.registered_model, serialization_format="pickle")
-        active = mlflow.active_run().info.run_id
-    return {"registered_model": config.registered_model,
-            "model_version": int(info.registered_model_version), "mlflow_run_id": active,
-            "model_uri": info.model_uri, "tracking_uri": uri}
-
-
-def _has_run(run_id: str | None) -> bool:
-    import mlflow
-
-    if not run_id:
-        return False
-    try:
-        mlflow.MlflowClient().get_run(run_id)
-    except mlflow.exceptions.MlflowException:
-        return False
-    return True
 
 
 def table(metrics: dict) -> str:

@@ -10,10 +10,9 @@ import yaml
 
 from specstop.common.errors import SpecstopError
 from specstop.common.params import Params, validate
-from specstop.decoder.runtime import TRUNCATED_PREFIX
 
-from .prompt_sources import parse_sources
-from .prompt_splits import check_fractions
+from specstop.prompts.sources import parse_sources
+from specstop.prompts.splits import check_fractions
 
 DEFAULT_PARAMS = Path("params.yaml")
 
@@ -48,18 +47,3 @@ def checked_params(raw: dict[str, Any], path: Path = DEFAULT_PARAMS) -> Params:
 def load_params(path: Path = DEFAULT_PARAMS, required: bool = False) -> Params:
     """The typed params of a params file (the defaults when it is absent and not required)."""
     return checked_params(read_params_file(path, required), path)
-
-
-def require_draft(draft: str) -> None:
-    """A draft folder named in `models.draft` must exist (stage `draft` writes the default);
-    `layers:N` is built from the target."""
-    if not draft.startswith(TRUNCATED_PREFIX):
-        require(Path(draft), "draft")
-
-
-def require(path: Path, stage: str) -> Path:
-    """`path`, which stage `stage` writes; a one-line error naming both when it is missing."""
-    if not Path(path).exists():
-        raise SpecstopError(f"{path}: not found (run `specstop {stage}` or `dvc repro {stage}` "
-                            f"first)")
-    return Path(path)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from specstop.decoder.costs import measure_verify_costs
-from specstop.decoder.models import convert_embedded, load_model, resolve_device, resolve_dtype
-from specstop.decoder.kv import KVModel
-
 from specstop.common.params import Params
+from specstop.decoder.costs import measure_verify_costs
+from specstop.decoder.kv import KVModel
+from specstop.decoder.load import convert_embedded, load_model, resolve_device, resolve_dtype
 
 
 def run(params: Params) -> None:

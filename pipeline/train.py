@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import time
 
-from specstop.common.errors import SpecstopError
+from specstop.common.errors import DataError, SpecstopError
 from specstop.common.params import Params
-from specstop.features.dataset import DataError
-from specstop.models.experiment import Report
 from specstop.models import experiment
+from specstop.models.experiment import Report
 
 COLUMNS = ["auc", "log_loss", "brier", "calibration_error", "simulated_speedup",
            "fraction_of_oracle", "fraction_of_gap"]

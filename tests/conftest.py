@@ -12,7 +12,7 @@ import torch
 from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM,
                           PreTrainedTokenizerBase)
 
-from specstop.decoder.models import DEFAULT_CACHE, convert_embedded
+from specstop.decoder.load import DEFAULT_CACHE, convert_embedded
 
 ROOT = Path(__file__).resolve().parents[1]
 

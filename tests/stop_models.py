@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from specstop.features import FEATURES, SCHEMA_VERSION, feature_index
-from specstop.decoder.stop_model import META_FILE
+from specstop.decoder.stop_model import STOP_MODEL_META
 from specstop.models.scripted import LinearLogit, Probability
 
 N = len(FEATURES)
@@ -39,7 +39,7 @@ def write_stop_model(path: Path, module: torch.jit.ScriptModule | None = None,
     while q_token > 0.25)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.jit.save(module or linear_module({"q_token": 8.0}, -2.0), str(path),
-                   _extra_files={META_FILE: json.dumps(metadata(**meta))})
+                   _extra_files={STOP_MODEL_META: json.dumps(metadata(**meta))})
     return path
 
 

@@ -18,7 +18,8 @@ from specstop.decoder.drafter import ModelDrafter
 from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, generate
 from specstop.decoder.policy import FixedDepth
-from specstop.features.dataset import DataError, RoundLogger, read_part, read_parts, write_part
+from specstop.common.errors import DataError
+from specstop.models.rows import RoundLogger, read_part, read_parts, write_part
 from specstop.common.errors import SpecstopError
 from specstop.common.params import validate
 from specstop.pipeline import collect

@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from specstop.decoder.draft_models import (build_compact, build_feature_head,
-                                           most_frequent_tokens, read_meta, save_draft)
+from specstop.drafts.families import build_compact, build_feature_head, most_frequent_tokens
+from specstop.drafts.store import read_meta, save_draft
 from specstop.decoder.drafter import FeatureDrafter, ModelDrafter
 from specstop.common.errors import SpecstopError
 from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, generate
-from specstop.decoder.runtime import load_runtime
-from specstop.models.draft_corpus import Sequence, token_counts
+from specstop.drafts.loading import load_runtime
+from specstop.drafts.corpus import Sequence, token_counts
 from specstop.common.params import DraftTrainConfig
-from specstop.models.draft_train import DraftDistiller, collate, fit, read_curve, resolve_precision
+from specstop.drafts.distill import DraftDistiller, collate, fit, read_curve, resolve_precision
 
 from conftest import tiny_llama
 
@@ -211,8 +211,8 @@ def test_auto_precision_and_dtype_follow_the_cpu_flags(tmp_path, monkeypatch, fl
 
 
 def test_a_draft_slower_than_ar_is_named_with_its_likely_cause(monkeypatch):
-    from specstop.pipeline import draft
-    from specstop.pipeline.draft import _useless_draft_warning
+    from specstop.drafts import sweep as draft
+    from specstop.drafts.sweep import _useless_draft_warning
 
     monkeypatch.setattr(draft, "cpu_has_bf16", lambda: False)
 

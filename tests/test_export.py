@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from specstop.common.errors import SpecstopError
+from specstop.common.params import ExportConfig
+from specstop.decoder.costs import CostModel
+from specstop.decoder.policy import ConfidenceThreshold, FixedDepth
 from specstop.decoder.stop_model import LearnedPolicy, load_stop_model, read_stop_model
 from specstop.features import FEATURES, SCHEMA_VERSION, feature_index
 from specstop.models import experiment, rules, scripted
-from specstop.models.simulate import CostModel, Replay
-from specstop.common.params import ExportConfig
-from specstop.pipeline.export import export
+from specstop.models.export import export
+from specstop.models.simulate import Replay
 
 from stop_models import linear_module, metadata, write_stop_model
 from synthetic_rows import make_collect
@@ -153,30 +155,65 @@ def test_threshold_rule_continues_above_t():
     assert go_on.tolist() == [False, False, True] and go_on.dtype == torch.bool
 
 
-def test_cost_aware_rule_matches_the_simulator():
-    """Two ti-mcsd rounds (3 branches, 3 levels): the runtime's per-node decisions, fed level by
-    level with parents as the decode loop passes them, equal models.rules' replay scores."""
-    p_rounds = [[[0.9, 0.5, 0.2], [0.8, 0.9, 0.7], [0.6, 0.9, 0.99]],
-                [[0.3, 0.95, 0.6], [0.9, 0.4, 0.9], [0.7, 0.8, 0.5]]]
-    rows = [{"prompt_id": "a", "round": r, "depth": d + 1, "node": 1 + 3 * d + b,
-             "parent": 0 if d == 0 else 1 + 3 * (d - 1) + b, "label": -1, "p": level[b]}
-            for r, levels in enumerate(p_rounds) for d, level in enumerate(levels)
-            for b in range(3)]
-    frame = pd.DataFrame(rows)
+def ti_mcsd_rounds(rounds: int = 6, width: int = 3, levels: int = 4,
+                   seed: int = 0) -> tuple[pd.DataFrame, list[list[list[float]]]]:
+    """Logged ti-mcsd rounds (`width` branches, `levels` levels, q_token random per node) as
+    replay rows, and the same q_token values per round and level."""
+    rng = np.random.default_rng(seed)
+    q = rng.uniform(0.05, 1.0, (rounds, levels, width)).round(3).tolist()
+    rows = [{"prompt_id": "a", "round": r, "depth": d + 1, "node": 1 + width * d + b,
+             "parent": 0 if d == 0 else 1 + width * (d - 1) + b, "label": -1, "p": q[r][d][b]}
+            for r in range(rounds) for d in range(levels) for b in range(width)]
+    return pd.DataFrame(rows), q
+
+
+COSTS = CostModel((1, 4, 7, 10, 13), {1: 0.04, 4: 0.041, 7: 0.043, 10: 0.046, 13: 0.05},
+                  {1: 0.005, 3: 0.006}, 1e-5)
+
+
+def replay_cut(rule: str, replay: Replay, p: np.ndarray, parameter: float) -> np.ndarray:
+    """[R] the depth each round is cut at by models.rules' replay of `rule`."""
+    if rule == "fixed":
+        return replay.fixed(int(parameter))
+    if rule == "cost_aware":
+        score = rules.cost_aware_scores(replay, COSTS, p)
+    else:  # confidence, or a learned threshold: the model here predicts p = q_token
+        score = p
+    return replay.cut(replay.level_max(score) > parameter)
+
+
+def runtime_policy(rule: str, parameter: float):
+    if rule == "fixed":
+        return FixedDepth(int(parameter))
+    if rule == "confidence":
+        return ConfidenceThreshold(parameter)
+    marginal = COSTS.marginal_cost()[1:-1].tolist()
+    return identity_policy(rule=rule, threshold=parameter, rho=parameter,
+                           marginal_cost=marginal)
+
+
+@pytest.mark.parametrize("rule, parameter", [
+    ("fixed", 1), ("fixed", 3), ("confidence", 0.8), ("confidence", 0.9),
+    ("threshold", 0.85), ("threshold", 0.95), ("cost_aware", 1.0), ("cost_aware", 3.0)])
+def test_every_runtime_rule_cuts_rounds_as_the_replay(rule, parameter):
+    """Each stopping rule the runtime applies (decode loop: after level d, draft d + 1 while any
+    node of level d says go on), fed level by level with parents as the loop passes them, cuts
+    every logged round at the depth models.rules' replay gives it."""
+    frame, q = ti_mcsd_rounds()
     replay = Replay.from_rows(frame, "hard")
-    costs = CostModel((1, 4, 7, 10), {1: 0.04, 4: 0.041, 7: 0.043, 10: 0.046},
-                      {1: 0.005, 3: 0.006}, 1e-5)
-    p = frame["p"].to_numpy()
-    rho = 0.45
-    expected = rules.cost_aware_score(replay, costs, p) > rho
-    policy = identity_policy(rule="cost_aware", rho=rho,
-                             marginal_cost=costs.marginal_cost()[1:-1].tolist())
+    expected = replay_cut(rule, replay, frame["p"].to_numpy(), parameter)
     got = []
-    for levels in p_rounds:
+    for levels in q:
+        policy, depth = runtime_policy(rule, parameter), 0
         for d, level in enumerate(levels):
-            parents = torch.zeros(3, dtype=torch.long) if d == 0 else torch.arange(3)
-            got += policy(level_features(level, d + 1).double(), parents).tolist()
-    assert got == expected.tolist() and any(got) and not all(got)
+            depth = d + 1
+            parents = torch.zeros(len(level), dtype=torch.long) if d == 0 else \
+                torch.arange(len(level))
+            if not bool(policy(level_features(level, depth).double(), parents).any()):
+                break
+        got.append(depth)
+    assert got == expected.tolist()
+    assert len(set(got)) > 1 or rule == "fixed"  # the rounds are not all cut alike
 
 
 def test_cost_aware_rule_follows_parents_within_a_level():

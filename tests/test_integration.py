@@ -9,8 +9,8 @@ from specstop.decoder.drafter import ModelDrafter
 from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig
 from specstop.decoder.policy import ConfidenceThreshold, FixedDepth
-from specstop.decoder.runtime import load_runtime
-from specstop.pipeline.bench_decode import humaneval_prompts
+from specstop.drafts.loading import load_runtime
+from specstop.evaluation.side_by_side import humaneval_prompts
 
 from conftest import ROOT, perturbed_copy
 

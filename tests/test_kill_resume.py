@@ -22,9 +22,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from specstop.decoder.draft_models import HEAD_WEIGHTS, META_FILE, read_meta
-from specstop.features.dataset import read_parts
-from specstop.models.draft_train import EpochBatches, ResumableLoader, read_curve
+from specstop.drafts.store import DRAFT_META_FILE, HEAD_WEIGHTS, read_meta
+from specstop.models.rows import read_parts
+from specstop.drafts.distill import EpochBatches, ResumableLoader, read_curve
 
 from conftest import write_chat_prompts
 
@@ -230,7 +230,7 @@ def test_killed_draft_resumes_to_the_same_weights(tiny_target, mlflow_db, draft_
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
     assert curve(sweep) == curve(reference)
     assert read_meta(sweep)["train_metrics"] == read_meta(reference)["train_metrics"]
-    assert json.loads((out / "default" / META_FILE).read_text())["name"] == DRAFT
+    assert json.loads((out / "default" / DRAFT_META_FILE).read_text())["name"] == DRAFT
     assert "not resumable" not in log(folder, "draft")  # Lightning's mid-epoch warning
     assert leftover_temp_files(out) == []
 

@@ -17,11 +17,11 @@ import yaml
 from transformers import AutoTokenizer
 
 from specstop.common.errors import SpecstopError
-from specstop.decoder.models import chat_text
-from specstop.pipeline import prompt_splits
-from specstop.pipeline.prompt_sources import (SourceRequests, parse_source, parse_sources,
+from specstop.decoder.load import chat_text
+from specstop.prompts import splits as prompt_splits
+from specstop.prompts.sources import (SourceRequests, parse_source, parse_sources,
                                               read_source)
-from specstop.pipeline.prompt_splits import (SPLITS, check_fractions, prompt_id, split_prompts,
+from specstop.prompts.splits import (SPLITS, check_fractions, prompt_id, split_prompts,
                                              write_split)
 
 FRACTIONS = {"train": 0.7, "val": 0.15, "test": 0.15}
@@ -94,7 +94,7 @@ def test_dataset_source_through_load_dataset(tmp_path: Path, monkeypatch: pytest
 
 
 def test_humaneval_is_the_embedded_default():
-    from specstop.pipeline.bench_decode import humaneval_problems, humaneval_request
+    from specstop.evaluation.side_by_side import humaneval_problems, humaneval_request
 
     read = source({"embedded": "humaneval"})
     assert read.rows == len(read.requests) == 164

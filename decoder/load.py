@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from specstop.common import paths
 from specstop.common.errors import SpecstopError, first_line
 
 from .model_files import (CONFIG, LOAD_ERRORS, SAFETENSORS, check_model_folder,
@@ -28,7 +29,7 @@ from .model_files import (CONFIG, LOAD_ERRORS, SAFETENSORS, check_model_folder,
 
 EMBEDDED = "embedded"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_CACHE = Path("data/models/target")
+DEFAULT_CACHE = paths.TARGET_CACHE
 
 
 @dataclass
@@ -205,18 +206,6 @@ def chat_text(tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:
         return prompt
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                          add_generation_prompt=True, tokenize=False)
-
-
-def truncated_draft(target: torch.nn.Module, layers: int) -> torch.nn.Module:
-    """A draft made of the target's first `layers` decoder layers, embeddings and head."""
-    n = target.config.num_hidden_layers
-    if not 1 <= layers < n:
-        raise SpecstopError(f"a truncated draft needs 1..{n - 1} layers, got {layers}")
-    config = AutoConfig.for_model(**{**target.config.to_dict(), "num_hidden_layers": layers})
-    config._attn_implementation = "sdpa"
-    draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
-    draft.load_state_dict(target.state_dict(), strict=False)
-    return draft.to(next(target.parameters()).device).eval()
 
 
 def check_same_tokenizer(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase,

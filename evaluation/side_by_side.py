@@ -1,4 +1,5 @@
-"""`specstop bench-decode`: every method side by side on a few prompts, in one process."""
+"""Decoding methods timed side by side on the same prompts, in one process (`specstop
+bench-decode`, the draft sweep, stage `bench`), and their outputs scored under the target."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from tqdm import tqdm
 
 from specstop.decoder.loop import DecodeConfig, DecodeStats, Generation
 from specstop.decoder.policy import StoppingPolicy
-from specstop.decoder.quality import extract_code, humaneval_passed, mean_target_logprob
+from .quality import extract_code, humaneval_passed, mean_target_logprob
 from specstop.decoder.runtime import Runtime
 
-from .prompt_sources import humaneval_request
+from specstop.prompts.sources import humaneval_request
 
 
 @dataclass(frozen=True)

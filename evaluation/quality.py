@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from .kv import KVModel
+from specstop.decoder.kv import KVModel
 
 CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 

@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from specstop.decoder.draft_models import read_meta
+from specstop.common.paths import TRUNCATED_PREFIX
+from specstop.decoder.load import check_same_tokenizer, load_model
 from specstop.decoder.loop import DecodeConfig, DecodeStats, Generation
-from specstop.decoder.models import check_same_tokenizer, load_model, truncated_draft
-from specstop.decoder.runtime import TRUNCATED_PREFIX, Runtime
-
-from .bench_decode import Method
+from specstop.decoder.runtime import Runtime
+from specstop.drafts.families import truncated_draft
+from specstop.drafts.store import read_meta
+from specstop.evaluation.side_by_side import Method
 
 SPECULATION_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule",
                     "assistant_confidence_threshold")

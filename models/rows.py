@@ -16,10 +16,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from specstop.common.errors import SpecstopError, first_line
+from specstop.common.errors import DataError, first_line
 from specstop.common.files import write_atomic, write_json
 
-from .schema import FEATURES, SCHEMA_VERSION, schema_dict
+from specstop.features import FEATURES, SCHEMA_VERSION, schema_dict
 
 T = TypeVar("T")
 
@@ -41,11 +41,6 @@ LABEL_COLUMNS = [
 ]
 ROW_SCHEMA = pa.schema(ID_COLUMNS + [(f.name, pa.float32()) for f in FEATURES] + LABEL_COLUMNS,
                        metadata={"feature_schema_version": str(SCHEMA_VERSION)})
-
-
-class DataError(SpecstopError, ValueError):
-    """A logged-data file that is missing, corrupt or of another schema (a SpecstopError: the
-    CLI prints it as one line from any stage)."""
 
 
 class RoundLogger:
@@ -97,14 +92,14 @@ def write_schema(folder: Path) -> None:
 def read_part(path: Path) -> pa.Table:
     """One part, validated against ROW_SCHEMA; DataError names the file and the problem."""
     table = _decoded(path, pq.read_table)
-    check_schema(path, table.schema)
+    check_columns(path, table.schema)
     return table
 
 
 def check_part(path: Path) -> None:
     """One part's footer validated against ROW_SCHEMA, no data read: the cheap check before a
     streaming read; DataError names the file and the problem."""
-    check_schema(path, _decoded(path, pq.read_schema))
+    check_columns(path, _decoded(path, pq.read_schema))
 
 
 def _decoded(path: Path, read: Callable[[Path], T]) -> T:
@@ -122,7 +117,7 @@ def corrupt(path: Path, err: Exception) -> DataError:
     return DataError(f"{path}: corrupt or truncated Parquet file ({first_line(err)})")
 
 
-def check_schema(path: Path, schema: pa.Schema) -> None:
+def check_columns(path: Path, schema: pa.Schema) -> None:
     """DataError unless `schema` (with its metadata) is ROW_SCHEMA's."""
     version = (schema.metadata or {}).get(b"feature_schema_version", b"?").decode()
     if version != str(SCHEMA_VERSION):

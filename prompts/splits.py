@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from specstop.common.errors import SpecstopError
 from specstop.common.files import write_atomic, write_json
 
-from .prompt_sources import SourceRequests
+from .sources import SourceRequests
 
 SPLITS = ("train", "val", "test")
 SCHEMA = pa.schema([(name, pa.string())

@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from specstop.common.errors import SpecstopError, first_line
-from specstop.common.params import DEFAULT_TRACKING_URI
+from .errors import SpecstopError, first_line
+from .params import DEFAULT_TRACKING_URI
 
 PROBE_TIMEOUT_S = 3.0  # a tracking server that does not answer /health within this is down
 FIX = "fix `mlflow.tracking_uri` in params.yaml (or MLFLOW_TRACKING_URI, which overrides it)"

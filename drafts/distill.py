@@ -25,9 +25,9 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, Sampler
 
 from specstop.common.params import DraftTrainConfig
-from specstop.decoder.models import native_bf16, resolve_device  # accelerator="auto"
+from specstop.decoder.load import native_bf16, resolve_device  # accelerator="auto"
 
-from .draft_corpus import Sequence
+from .corpus import Sequence
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

@@ -1,0 +1,83 @@
+"""Build a Runtime from names: the target (hub id, folder, GGUF, `embedded`), the draft (a
+folder `specstop draft` built, any LM with the same tokenizer, or `layers:N`) and a cost table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specstop.common.errors import SpecstopError
+from specstop.common.files import require
+from specstop.common.params import CostsConfig, ModelsConfig
+from specstop.common.paths import TARGET_CACHE, TRUNCATED_PREFIX
+from specstop.decoder.costs import VerifyCosts
+from specstop.decoder.drafter import Drafter, FeatureDrafter, ModelDrafter
+from specstop.decoder.kv import KVModel
+from specstop.decoder.load import (LoadedModel, check_same_tokenizer, load_model, resolve_device,
+                                   resolve_dtype)
+from specstop.decoder.runtime import Runtime
+
+from .families import prune_head, truncated_draft
+from .store import DRAFT_META_FILE, load_feature_head, read_meta
+
+
+def load_runtime(target: str, draft: str | None, dtype: str = "auto", device: str = "auto",
+                 cache_dir: Path = TARGET_CACHE, costs: Path | None = None) -> Runtime:
+    """Load the target, the draft (`layers:N` truncates the target) and an optional cost table."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    loaded = load_model(target, dt, dev, cache_dir)
+    vocab = loaded.model.config.vocab_size
+    drafter = None
+    if draft:
+        if draft.startswith(TRUNCATED_PREFIX):
+            try:
+                layers = int(draft.removeprefix(TRUNCATED_PREFIX))
+            except ValueError:
+                raise SpecstopError(f"bad draft '{draft}': expected layers:N")
+            draft_model = truncated_draft(loaded.model, layers)
+            drafter = ModelDrafter(KVModel(draft_model, vocab_size=vocab))
+        else:
+            drafter = _load_drafter(draft, loaded, dt, dev, cache_dir)
+    table = None
+    if costs is not None and Path(costs).is_file():
+        table = VerifyCosts.load(costs)
+        if (table.model, table.dtype, table.device) != (target, str(dt).removeprefix("torch."),
+                                                        dev.type):
+            table = None  # measured for another model, dtype or device: not applicable
+    limit = getattr(loaded.model.config, "max_position_embeddings", None) or 1 << 30
+    return Runtime(KVModel(loaded.model), drafter, loaded.tokenizer, table, limit)
+
+
+def _load_drafter(draft: str, target: LoadedModel, dtype: torch.dtype, device: torch.device,
+                  cache_dir: Path) -> Drafter:
+    """A draft folder built by `specstop draft` (either family), or any LM with the same tokenizer."""
+    vocab = target.model.config.vocab_size
+    meta = read_meta(Path(draft)) if Path(draft).is_dir() else None
+    if meta is not None and meta["family"] == "feature":
+        head = load_feature_head(Path(draft), target.model, meta)
+        return FeatureDrafter(KVModel(head.model, vocab_size=vocab, vocab_ids=head.vocab_ids))
+    other = load_model(draft, dtype, device, cache_dir)
+    check_same_tokenizer(target.tokenizer, other.tokenizer, target.source, draft)
+    ids = None if meta is None or meta["vocab_ids"] is None else torch.tensor(meta["vocab_ids"])
+    rows = other.model.config.vocab_size
+    if ids is not None and int(ids.max()) >= rows:
+        raise SpecstopError(f"{Path(draft) / DRAFT_META_FILE}: vocab_ids name token {int(ids.max())}, "
+                            f"beyond the draft's vocabulary of {rows}")
+    model = other.model if ids is None else prune_head(other.model, ids)
+    return ModelDrafter(KVModel(model, vocab_size=vocab, vocab_ids=ids))
+
+
+def runtime_from(models: ModelsConfig, costs: CostsConfig, need_draft: bool) -> Runtime:
+    """The runtime params.yaml's `models` and `costs` name (the draft only where needed)."""
+    return load_runtime(target=models.target, draft=models.draft if need_draft else None,
+                        dtype=models.dtype, device=models.device, cache_dir=models.target_cache,
+                        costs=costs.path)
+
+
+def require_draft(draft: str) -> None:
+    """A draft folder named in `models.draft` must exist (stage `draft` writes the default);
+    `layers:N` is built from the target."""
+    if not draft.startswith(TRUNCATED_PREFIX):
+        require(Path(draft), "draft")

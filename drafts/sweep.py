@@ -1,0 +1,252 @@
+"""The draft sweep (stage `draft`): build, distil and compare drafts; the fastest is the default.
+
+1. The target answers the train prompts (and, greedily, the val prompts): `drafts.corpus`.
+2. Each sweep entry (family x layers x vocabulary) is built from the target and distilled
+   (`drafts.distill`, Lightning + MLflow, resumable); a finished draft folder is not redone.
+3. Each draft is measured side by side with `ar` in the runtime dtype: greedy agreement alpha
+   on the held-out responses, step cost ratio c, the `sd` speedup predicted from alpha, c and
+   the measured verification cost, and the `sd` speedup measured at the best γ.
+4. The draft with the best measured speedup is copied to `out/default`; metrics/draft.json and
+   the DVC plot data describe the sweep; a best draft slower than `ar` ends with a warning.
+
+Corpora and drafts made with other settings are moved to `out/stale/`, never deleted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specstop.common.errors import SpecstopError
+from specstop.common.files import resume_or_set_aside, write_atomic, write_json
+from specstop.common.params import (DraftConfig, DraftSpec, DraftTrainConfig, ModelsConfig,
+                                    TrackingStore)
+from specstop.common.tracking import check, tracking_uri
+from specstop.decoder.costs import VerifyCosts, measure_verify_costs
+from specstop.decoder.load import cpu_has_bf16, load_model, resolve_device, resolve_dtype
+from specstop.decoder.loop import DecodeConfig
+from specstop.evaluation.side_by_side import bench
+from specstop.prompts.splits import read_split
+
+from .corpus import Sequence, build_corpus, token_counts
+from .distill import DraftDistiller, fit, read_curve, resolve_precision
+from .families import build_compact, build_feature_head, most_frequent_tokens
+from .loading import load_runtime
+from .store import read_meta, save_draft
+
+STALE = "stale"  # corpora and drafts made with other settings are moved here, never deleted
+
+
+def run(cfg: DraftConfig, models: ModelsConfig, tracking: TrackingStore) -> None:
+    """The whole sweep: corpora, each draft distilled (or resumed), measured, the best published."""
+    out, seed = cfg.out, cfg.seed
+    device = resolve_device(models.device)
+    dtype = resolve_dtype(models.dtype, device)
+    check(tracking_uri(tracking.uri))  # before the corpus, not after
+    texts = {split: read_split(cfg.prompts, split)["text"][: cfg.max_prompts]
+             for split in ("val", "train")}
+    if not texts["train"] or not texts["val"]:
+        raise SpecstopError(f"{cfg.prompts}: the draft needs train and val prompts")
+    train_config = cfg.train.model_copy(
+        update={"precision": resolve_precision(cfg.train.precision, device)})
+    train, val, vocab = _corpora(cfg, texts, models, dtype, device, out)
+    counts = token_counts(train, vocab)
+
+    for spec in cfg.sweep:
+        folder = out / "sweep" / spec.name
+        config = train_config if spec.max_minutes is None else train_config.model_copy(
+            update={"max_minutes": spec.max_minutes})
+        recipe = {"spec": spec.model_dump(), "train": config.model_dump(),
+                  "corpus": cfg.corpus.model_dump(), "max_prompts": cfg.max_prompts,
+                  "target": models.target, "seed": seed}
+        if resume_or_set_aside(folder, recipe, out / STALE, f"draft: {folder}") \
+                and read_meta(folder) is not None:
+            continue  # finished with these settings
+        _distil(spec, models, device, counts, train, val, folder, config, tracking, seed)
+
+    results = {spec.name: _measure(spec, out / "sweep" / spec.name, cfg, models)
+               for spec in cfg.sweep}
+    winner = max(results, key=lambda name: results[name]["measured_speedup"])
+    _publish(out / "sweep" / winner, out / "default")
+    best = results[winner]
+    warning = _useless_draft_warning(best, train_config.precision)
+    write_json(cfg.metrics,
+               {"alpha": best["alpha"], "c": best["c"], "default": winner,
+                "sd_speedup": best["measured_speedup"], "sd_acceptance": best["sd_acceptance"],
+                "gamma": best["best_gamma"], "precision": train_config.precision, "dtype": best["dtype"],
+                "cpu_native_bf16": cpu_has_bf16(), "warning": warning, "drafts": results})
+    _write_plots(cfg.plots, results, out / "sweep")
+    print(_table(results, winner))
+    if warning:
+        print(f"specstop: warning: {warning}", file=sys.stderr)
+
+
+def _useless_draft_warning(best: dict, precision: str) -> str | None:
+    """A line naming the likely cause when even the best draft makes decoding slower than `ar`."""
+    if best["measured_speedup"] >= 1.0:
+        return None
+    return (f"the best draft ({best['name']}) decodes at {best['measured_speedup']:.2f}x `ar` "
+            f"(slower): alpha {best['alpha']:.3f}, c {best['c']:.3f}, {best['dtype']} on "
+            f"{'a CPU with' if cpu_has_bf16() else 'a CPU without'} native bf16, trained in "
+            f"{precision}; likely cause: {_likely_cause(best)}")
+
+
+def _likely_cause(best: dict) -> str:
+    if best["alpha"] < 0.45:
+        return "too little training (raise draft.train.max_minutes or the corpus)"
+    if best["dtype"] == "float32":
+        return "fp32 verification (a pass over several tokens costs far more than one step here)"
+    return f"a draft step too slow for its acceptance (c {best['c']:.3f})"
+
+
+def _corpora(cfg: DraftConfig, texts: dict[str, list[str]], models: ModelsConfig,
+             dtype: torch.dtype, device: torch.device,
+             out: Path) -> tuple[list[Sequence], list[Sequence], int]:
+    """Train responses (sampled), held-out val responses (greedy), the target's vocabulary."""
+    target = load_model(models.target, dtype, device, models.target_cache)
+    val = build_corpus(target.model, target.tokenizer, texts["val"], out / "corpus" / "val",
+                       cfg.corpus.model_copy(update={"samples_per_prompt": 1}), cfg.seed,
+                       "val responses", out / STALE)
+    train = build_corpus(target.model, target.tokenizer, texts["train"], out / "corpus" / "train",
+                         cfg.corpus, cfg.seed, "train responses", out / STALE)
+    return train, val, target.model.config.vocab_size
+
+
+def _distil(spec: DraftSpec, models: ModelsConfig, device: torch.device, counts: torch.Tensor,
+            train: list[Sequence], val: list[Sequence], folder: Path, config: DraftTrainConfig,
+            tracking: TrackingStore, seed: int) -> None:
+    """Build one draft from an fp32 copy of the target, distil it, save the folder."""
+    target = load_model(models.target, torch.float32, device, models.target_cache)
+    eos = target.tokenizer.eos_token_id
+    vocab_ids = None if not spec.vocab else most_frequent_tokens(
+        counts, spec.vocab, [eos] if eos is not None else [])
+    build = build_feature_head if spec.family == "feature" else build_compact
+    draft = build(target.model, spec.layers, vocab_ids).float().train()
+    module = DraftDistiller(draft, spec.family, vocab_ids, target.model.config.vocab_size, config)
+    logger = _mlflow_logger(tracking, spec, folder)
+    start = time.perf_counter()
+    metrics = fit(module, train, val, folder, logger)
+    draft.eval()
+    info = {"name": spec.name, "layers": spec.layers, "train_metrics": metrics,
+            "train_seconds_last_run": round(time.perf_counter() - start, 1),
+            "train_sequences": len(train),
+            "train_tokens": int(sum(s.ids.shape[0] for s in train)), "seed": seed}
+    save_draft(folder, draft, spec.family, target.model, vocab_ids, info,
+               tokenizer=target.tokenizer)
+    shutil.rmtree(folder / "checkpoints", ignore_errors=True)
+
+
+def _mlflow_logger(tracking: TrackingStore, spec: DraftSpec, folder: Path):
+    """An MLflow logger in the project's tracking store, continuing this draft's run on resume."""
+    from pytorch_lightning.loggers import MLFlowLogger
+
+    uri = tracking_uri(tracking.uri)
+    run_file = folder / "mlflow_run_id"
+    run_id = run_file.read_text().strip() if run_file.is_file() else None
+    if run_id is not None and not _run_exists(uri, run_id):
+        run_id = None  # the store was reset: log the resumed training as a new run
+    logger = MLFlowLogger(experiment_name=tracking.experiment,
+                          tracking_uri=uri, run_name=spec.name, run_id=run_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    logger.log_hyperparams({"family": spec.family, "layers": spec.layers,
+                            "vocab": spec.vocab or "full"} if run_id is None else {})
+    write_atomic(run_file, lambda tmp: tmp.write_text(logger.run_id))
+    return logger
+
+
+def _run_exists(uri: str, run_id: str) -> bool:
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        MlflowClient(uri).get_run(run_id)
+    except MlflowException:
+        return False
+    return True
+
+
+def _measure(spec: DraftSpec, folder: Path, cfg: DraftConfig, models: ModelsConfig) -> dict:
+    """alpha, c, predicted and measured `sd` speedup of one draft, beside `ar`, same dtype."""
+    meta = read_meta(folder)
+    alpha = float(meta["train_metrics"]["val_alpha"])
+    runtime = load_runtime(models.target, str(folder), models.dtype, models.device,
+                           models.target_cache)
+    target_costs = measure_verify_costs(runtime.target, "target", [], repeats=10)
+    draft_costs = measure_verify_costs(runtime.drafter.lm, "draft", [], repeats=10)
+    c = draft_costs.seconds[1] / target_costs.seconds[1]
+    verify = VerifyCosts.load(cfg.verify_costs) if cfg.verify_costs.is_file() else None
+    predicted = {g: _predicted_speedup(alpha, c, g, verify) for g in range(1, 9)}
+    best_predicted = max(predicted, key=predicted.get)
+    gammas = sorted(set(cfg.eval.gammas))
+    texts = read_split(cfg.prompts, "val")["text"]
+    prompts = [runtime.encode(t, chat=False, special_tokens=False)
+               for t in texts[: cfg.eval.prompts]]
+    tokens = cfg.eval.max_new_tokens
+    configs = [DecodeConfig(method="ar", max_new_tokens=tokens)] + [
+        DecodeConfig(method="sd", max_new_tokens=tokens, max_depth=g) for g in gammas]
+    results = bench(runtime, prompts, configs, None, 0)
+    ar = results[0].stats.tokens_per_s
+    measured = {g: r.stats.tokens_per_s / ar for g, r in zip(gammas, results[1:])}
+    best_gamma = max(measured, key=measured.get)
+    best = results[1 + gammas.index(best_gamma)]
+    curve = read_curve(folder / "curve.csv")
+    return {"name": spec.name, "family": spec.family, "layers": spec.layers, "vocab": spec.vocab or "full",
+            "alpha": alpha, "c": c, "predicted_speedup": predicted[best_predicted],
+            "predicted_gamma": best_predicted, "measured_speedup": measured[best_gamma],
+            "best_gamma": best_gamma, "measured_by_gamma": measured,
+            "sd_acceptance": best.stats.acceptance_rate,
+            "identical_to_ar": f"{best.identical_to_ar}/{len(prompts)}",
+            "ar_tokens_per_s": ar, "sd_tokens_per_s": best.stats.tokens_per_s,
+            "train_seconds": curve[-1]["train_seconds"] if curve else None,
+            "dtype": str(runtime.target.dtype).removeprefix("torch.")}
+
+
+def _predicted_speedup(alpha: float, c: float, gamma: int, verify: VerifyCosts | None) -> float:
+    """i.i.d. acceptance (Leviathan et al.): tokens per round over the round's cost in target
+    steps, with the measured cost of verifying gamma + 1 tokens (1 where not measured)."""
+    tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    v = 1.0
+    if verify is not None:
+        width = verify.padded_width(gamma + 1)
+        v = verify.ratio(width) if width in verify.seconds else 1.0
+    return tokens / (gamma * c + v)
+
+
+def _publish(source: Path, dest: Path) -> None:
+    """Copy the winning draft folder to `dest` atomically (copy beside it, then rename)."""
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("checkpoints", "lightning_logs"))
+    old = dest.with_name(f".{dest.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_plots(folder: Path, results: dict, sweep: Path) -> None:
+    """DVC plot data: the sweep (alpha, c, predicted vs measured) and each learning curve."""
+    rows = ["draft,alpha,c,predicted_speedup,measured_speedup"] + [
+        f"{name},{r['alpha']:.4f},{r['c']:.4f},{r['predicted_speedup']:.4f},"
+        f"{r['measured_speedup']:.4f}" for name, r in results.items()]
+    write_atomic(folder / "sweep.csv", lambda tmp: tmp.write_text("\n".join(rows) + "\n"))
+    curve = ["draft,step,train_seconds,sequences_seen,val_alpha"]
+    for name in results:
+        curve += [f"{name},{int(r['step'])},{r['train_seconds']:.1f},{int(r['sequences_seen'])},"
+                  f"{r['val_alpha']:.4f}" for r in read_curve(sweep / name / "curve.csv")]
+    write_atomic(folder / "learning_curve.csv", lambda tmp: tmp.write_text("\n".join(curve) + "\n"))
+
+
+def _table(results: dict, winner: str) -> str:
+    lines = [f"{'draft':<22} {'alpha':>6} {'c':>6} {'pred':>6} {'meas':>6} {'gamma':>5}"]
+    for name, r in results.items():
+        mark = " *" if name == winner else ""
+        lines.append(f"{name:<22} {r['alpha']:6.3f} {r['c']:6.3f} {r['predicted_speedup']:6.2f} "
+                     f"{r['measured_speedup']:6.2f} {r['best_gamma']:5d}{mark}")
+    return "\n".join(lines)

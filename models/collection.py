@@ -1,0 +1,159 @@
+"""The decision models' data (stage `collect`): decode the train/val prompts in logging mode and
+write one row per drafted token (features, hard and soft labels) as Parquet parts, plus the
+measured cost model.
+
+Prompts are cut into fixed parts of `part_size` prompts; with `torchrun`, rank r of W takes
+parts r, r+W, ...  Each part is written atomically and a re-run skips finished parts, so an
+interrupted run resumes, and the union of the parts does not depend on the number of processes.
+Parts logged with other settings are moved to `out/stale/`, after the models have loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specstop.common.files import remove_temp_files, resume_or_set_aside, write_json
+from specstop.common.params import CollectConfig, ModelsConfig
+from specstop.decoder.costs import measure_costs
+from specstop.decoder.loop import DecodeConfig, DecodeStats, tree_for
+from specstop.decoder.policy import FixedDepth
+from specstop.decoder.runtime import Runtime
+from specstop.prompts.splits import read_split
+
+from .rows import RoundLogger, read_parts, write_part, write_schema
+
+STALE = "stale"  # parts logged under other settings are moved here, never deleted
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    split: str
+    prompt_ids: list[str]
+    texts: list[str]
+
+
+def plan_parts(prompts_dir: Path, splits: list[str], part_size: int,
+               max_prompts: int | None) -> list[Part]:
+    """Cut each split's prompts (file order) into parts of `part_size`."""
+    parts = []
+    for split in splits:
+        table = read_split(prompts_dir, split)
+        ids, texts = table["prompt_id"][:max_prompts], table["text"][:max_prompts]
+        for start in range(0, len(ids), part_size):
+            parts.append(Part(f"{split}-{start // part_size:05d}", split,
+                              ids[start : start + part_size], texts[start : start + part_size]))
+    return parts
+
+
+def collect_part(runtime: Runtime, part: Part, config: DecodeConfig, seed: int,
+                 progress: tqdm, totals: DecodeStats) -> RoundLogger:
+    """Decode every prompt of a part with the policy 'draft to the maximum depth'."""
+    logger, policy = RoundLogger(), FixedDepth(config.max_depth)
+    for prompt_id, text in zip(part.prompt_ids, part.texts):
+        logger.start(prompt_id, part.split)
+        prompt = runtime.encode(text, chat=False, special_tokens=False)
+        generation = runtime.generate(prompt, config, policy, seed=_prompt_seed(seed, prompt_id),
+                                      hook=logger)
+        totals.add(generation.stats)
+        progress.update(1)
+        progress.set_postfix(tok_s=f"{totals.tokens_per_s:.1f}",
+                             accept=f"{totals.acceptance_rate:.3f}", rows=len(logger))
+    return logger
+
+
+def _prompt_seed(seed: int, prompt_id: str) -> int:
+    """A per-prompt seed independent of which process decodes the prompt."""
+    return (seed * 1_000_003 + int.from_bytes(prompt_id.encode()[-6:].ljust(6, b"\0"), "big")) \
+        % (1 << 62)
+
+
+def collect(runtime: Runtime, parts: list[Part], config: DecodeConfig, collect: CollectConfig,
+            models: ModelsConfig, rank: int = 0, world: int = 1) -> None:
+    """Decode this process's share of `parts` not written yet; rank 0 sets aside parts logged
+    under other settings first and, at the end, measures the cost model and writes the summary."""
+    out = collect.out
+    if rank == 0:
+        resume_or_set_aside(out / "parts", _fingerprint(collect, models), out / STALE,
+                            f"collect: the parts logged in {out / 'parts'}")
+        remove_temp_files(out)  # of parts a killed run was writing
+    barrier(world)
+    mine = [p for i, p in enumerate(parts) if i % world == rank]
+    todo = [p for p in mine if not (out / "parts" / f"{p.name}.parquet").is_file()]
+    write_schema(out)
+    progress = tqdm(total=sum(len(p.prompt_ids) for p in todo), desc=f"collect[{rank}/{world}]",
+                    unit="prompt", mininterval=5)
+    start, totals = time.perf_counter(), DecodeStats()
+    for part in todo:
+        logger = collect_part(runtime, part, config, collect.seed, progress, totals)
+        write_part(logger.table(), out / "parts" / f"{part.name}.parquet")
+    progress.close()
+    elapsed = time.perf_counter() - start
+    barrier(world)
+    if rank == 0:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(_all_cores())  # costs as one decoding process sees them
+        drafter = runtime.drafter.lm if runtime.drafter is not None else None
+        table = measure_costs(runtime.target, drafter, tree_for(config))
+        torch.set_num_threads(threads)
+        write_json(out / "costs.json", table)
+        write_json(collect.summary, _summary(out, parts, elapsed, world))
+
+
+def _fingerprint(collect: CollectConfig, models: ModelsConfig) -> dict:
+    """What the logged rows depend on: the options, the models and the draft's files."""
+    draft = Path(models.draft)
+    files = sorted(f for f in draft.rglob("*") if f.is_file()) if draft.is_dir() else []
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.relative_to(draft).as_posix().encode())
+        digest.update(f.read_bytes())
+    return {"collect": collect.model_dump(mode="json"), "models": models.model_dump(mode="json"),
+            "draft_files": digest.hexdigest()}
+
+
+def _summary(out: Path, parts: list, elapsed: float, world: int) -> dict:
+    table = read_parts(out)
+    labels = table.column("label").to_numpy()
+    return {"parts": len(parts), "rows": int(table.num_rows),
+            "labelled": int((labels >= 0).sum()), "accepted": int((labels == 1).sum()),
+            "rejected": int((labels == 0).sum()), "after_rejection": int((labels < 0).sum()),
+            "last_run_seconds": round(elapsed, 1), "processes": world}
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world size) under torchrun (gloo on CPU, NCCL on GPU), else (0, 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), world
+
+
+def _all_cores() -> int:
+    """Threads a lone decoding process would use (torchrun sets 1 per worker)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def process_device(device: str) -> str:
+    """Under torchrun on GPUs each process takes the GPU of its local rank."""
+    if device == "auto" and torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        return f"cuda:{os.environ['LOCAL_RANK']}"
+    return device
+
+
+def barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
