@@ -1,8 +1,9 @@
 """Drafters: one interface, many drafting strategies (cf. transformers' CandidateGenerator).
 
 A drafter turns the tokens of one tree level into the draft's next-token logits for each of
-them; the decode loop samples the children, so every drafter works with every tree shape,
-stopping policy and verification rule.  The drafter keeps its own cache and is told after each
+them; the decode loop samples the children (`draft_children`), so every drafter works with
+every tree shape, stopping policy and verification rule.  The drafter keeps its own cache (its
+masks come from `Tree`, the positions it keeps from `kv.kept_positions`) and is told after each
 round which path the target accepted.  A drafter with `needs_target_hidden` also receives the
 target's last hidden states: of the prompt at `reset`, of the verified tree at `commit`.
 """
@@ -13,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from .kv import KVModel
+from .kv import KVModel, kept_positions
 from .sampling import Sampling
 from .tree import Tree
 
@@ -58,11 +59,10 @@ class ModelDrafter:
             return self.lm.extend(ids, positions, tree.level_rows(level))
         m, r = self.pending.shape[0], ids.shape[0]
         assert self.lm.length + m == root_position, (self.lm.length, m, root_position)
-        allow = torch.ones(m + r, m + r, dtype=torch.bool).tril()
-        allow[m:, m:] = tree.level_rows(0)  # roots see the committed chain and themselves
         positions = torch.arange(root_position - m, root_position + r)
         positions[m:] = root_position
-        logits = self.lm.extend(torch.cat([self.pending, ids.cpu()]), positions, allow)
+        logits = self.lm.extend(torch.cat([self.pending, ids.cpu()]), positions,
+                                tree.chain_then_roots(m))
         self.committed = root_position
         self.pending = self.pending[:0]
         return logits[m:]
@@ -75,7 +75,7 @@ class ModelDrafter:
             return
         fed = tree.size(fed_levels - 1)
         is_fed = path_t < fed
-        keep = torch.cat([torch.arange(self.committed), self.committed + path_t[is_fed]])
+        keep = kept_positions(self.committed, path_t[is_fed])
         self.lm.retain(keep)
         self.committed = keep.shape[0]
         self.pending = tokens.cpu()[path_t[~is_fed]]
@@ -119,13 +119,12 @@ class FeatureDrafter:
             return logits
         m, r = self.pending.shape[0], ids.shape[0]
         assert self.lm.length + m == root_position - 1, (self.lm.length, m, root_position)
-        allow = torch.ones(m + r, m + r, dtype=torch.bool).tril()
-        allow[m:, m:] = tree.level_rows(0)
         positions = torch.arange(root_position - m, root_position + r)
         positions[m:] = root_position
         features = torch.cat([self.pending_features, self.last_feature.expand(r, -1)])
         logits, hidden = self.lm.extend_with_hidden(torch.cat([self.pending, ids.cpu()]),
-                                                    positions, allow, features)
+                                                    positions, tree.chain_then_roots(m),
+                                                    features)
         self.committed = self.lm.length - r
         self.node_features = hidden[m:]
         return logits[m:]
@@ -138,8 +137,7 @@ class FeatureDrafter:
         accepted = tokens.cpu()[path_t]
         below_root = target_hidden[path_t[:-1].to(target_hidden.device)]
         if fed_levels > 0:
-            self.lm.retain(torch.cat([torch.arange(self.committed),
-                                      torch.tensor([self.committed + path[0]])]))
+            self.lm.retain(kept_positions(self.committed, path_t[:1]))
             self.committed = self.lm.length
             self.pending = accepted[1:]
             self.pending_features = below_root

@@ -2,9 +2,10 @@
 
 This is the only place that talks to a transformers model's forward and cache, so the
 transformers 5.x details live here (VERIFICATION.md §4): the 4D mask is additive float (a bool
-mask is silently wrong under eager attention), flash attention cannot take it, the cache
-keyword is `cache` (`past_key_values` before 5.24), and compaction is an `index_select` over
-plain `DynamicLayer`s.
+mask is silently wrong under eager attention; the bool tree masks come from `tree.py`), flash
+attention cannot take it, the cache keyword is `cache` (`past_key_values` before 5.24), and
+compaction is an `index_select` over plain `DynamicLayer`s.  `kept_positions` is the one
+computation of which cached positions survive a round; `KVModel.retain` keeps them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ import inspect
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+
+def kept_positions(committed: int, nodes: torch.Tensor) -> torch.Tensor:
+    """[committed + k] cache positions to keep: the first `committed`, then the tree nodes
+    `nodes` [k] long (ascending tree indices) of the tree cached right after them."""
+    return torch.cat([torch.arange(committed), committed + nodes])
 
 
 class KVModel:

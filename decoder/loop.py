@@ -1,10 +1,11 @@
-"""The decode loop: one function, numbered steps, for `ar`, `sd`, `mcsd` and `ti-mcsd`.
+"""The decode loop for `ar`, `sd`, `mcsd` and `ti-mcsd`: `generate` and one function per step.
 
 State between rounds is the target's KV cache (every committed token) and `r`, the distribution
-the next token is drawn from.  A round (1) draws the root(s) from r, (2) drafts the tree below
-them level by level until the stopping policy or the tree's depth says stop, (3) scores the
-tree in one target pass under the sliced tree mask, (4) verifies, (5) keeps the accepted path in
-both caches.  `ar` is the same loop with nothing drafted.
+the next token is drawn from.  A round (1) draws the root(s) from r, (2) `propose`s: drafts the
+tree below them level by level until the stopping policy or the tree's depth says stop, (3)
+`score`s the tree in one target pass under the sliced tree mask, (4) `verify`s, (5) `commit`s
+the accepted path to both caches.  The steps talk through the contracts of `contracts.py`
+(Proposal -> Scores -> Verdict).  `ar` is the same loop with nothing drafted.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from typing import Callable
 import torch
 
 from specstop.common.params import METHODS
-from specstop.features import RoundContext, draft_features, feature_index
+from specstop.features import FEATURES, RoundContext, draft_features, feature_index
 
+from .contracts import Proposal, Scores, Verdict
 from .costs import VerifyCosts
 from .drafter import Drafter, draft_children
-from .kv import KVModel
+from .kv import KVModel, kept_positions
 from .policy import FixedDepth, StoppingPolicy
 from .sampling import Sampling, sample, warp
 from .tree import Tree
@@ -111,6 +113,20 @@ class DecodeStats:
         """Accepted drafted tokens per drafted level (at most one node of a level is accepted)."""
         return self.accepted / max(self.drafted_levels, 1)
 
+    @property
+    def last_accepted(self) -> int:
+        """Drafted tokens accepted in the last round (0 before the first)."""
+        return self.accepted_per_round[-1] if self.accepted_per_round else 0
+
+    def add_round(self, levels: int, drafted: int, accepted: int) -> None:
+        """Count one verified round: `drafted` tokens over `levels` levels, `accepted` of them."""
+        self.target_calls += 1
+        self.draft_steps += levels
+        self.drafted_levels += levels
+        self.drafted_tokens += drafted
+        self.accepted += accepted
+        self.accepted_per_round.append(accepted)
+
     def add(self, other: "DecodeStats") -> None:
         """Accumulate another generation's counts (per-round history is not kept)."""
         for name in ("new_tokens", "target_calls", "draft_steps", "drafted_levels",
@@ -167,125 +183,149 @@ def generate(
     if tree.max_depth > 0 and drafter is None:
         raise ValueError(f"method '{config.method}' needs a drafter")
     policy = policy or FixedDepth(max(tree.max_depth, 1))
-    sampling, stats, out = config.sampling, DecodeStats(), []
-    start = time.perf_counter()
-    target.reset()
-    wants_hidden = drafter is not None and drafter.needs_target_hidden
-
-    # 0. Prefill: the target caches the prompt; r is its next-token distribution.
-    logits, hidden = target.extend_with_hidden(prompt, torch.arange(prompt.shape[0]), None,
-                                               last_only=True)
-    r = warp(logits, sampling)[0]
-    if drafter is not None:
-        drafter.reset(prompt, hidden if wants_hidden else None)
+    stats, out, start = DecodeStats(), [], time.perf_counter()
+    root_emitted = 0 if config.lossy else 1  # emitted as drawn (exact), or with its path (lossy)
+    # 0. Prefill: both caches take the prompt; r is the target's next-token distribution.
+    r = prefill(target, drafter, prompt, config.sampling)
     stats.target_calls += 1
     while True:
-        # 1. Roots: the committed draw from r (exact), or the target's top-W (lossy ti-mcsd).
-        roots = _draw_roots(r, tree.roots, sampling, config.lossy, generator)
-        if not config.lossy:
-            out.append(int(roots[0]))
-            if out[-1] == eos_id or len(out) >= config.max_new_tokens:
-                break
-        budget = config.max_new_tokens - len(out) - (1 if config.lossy else 0)
-        root_position = target.length
-
-        # 2. Draft the tree below the roots, level by level, while the policy says go on.
-        tokens, q_rows, features = roots, [], []
-        context = RoundContext(len(out), stats.accepted_per_round[-1] if stats.accepted_per_round
-                               else 0, stats.acceptance_rate)
-        depth = 0
-        if drafter is not None:
-            depth_cap = min(tree.max_depth, budget)
-            root_rank = torch.arange(tree.roots, device=r.device)
-            root_prob = r[roots]
-            confidence = torch.ones(tree.roots, device=r.device)
-            while depth < depth_cap:
-                logits = drafter.step(tree, depth, tokens[tree.level(depth)], root_position)
-                q = warp(logits, sampling)  # [n_depth, V]
-                kids = draft_children(q, tree.branching[depth], sampling,
-                                      config.without_replacement, generator)
-                roots_of_kids = tree.root[tree.level(depth + 1)].to(r.device)
-                level_features = draft_features(q, kids, depth + 1, root_rank[roots_of_kids],
-                                                root_prob[roots_of_kids], confidence, context)
-                confidence = level_features[:, PATH_CONFIDENCE]
-                tokens = torch.cat([tokens, kids.flatten()])
-                q_rows.append(q)
-                features.append(level_features)
-                depth += 1
-                stats.draft_steps += 1
-                parents = tree.parent_row[tree.level(depth)].to(r.device)
-                if not bool(policy(level_features, parents).any()):
-                    break
-
-        # 3. Score: one target pass over the tree cut at `depth`, under the sliced mask,
-        #    padded to the cheapest measured width (padding rows see only themselves).
-        n = tree.size(depth)
-        ids, positions, mask = _padded_pass(tree, depth, tokens, root_position,
-                                            costs.padded_width(n) if costs else n)
-        logits, hidden = target.extend_with_hidden(ids, positions, mask)
-        p = warp(logits[:n], sampling)  # [n, V]
-        stats.target_calls += 1
-        q_all = torch.cat(q_rows) if q_rows else p[:0]
-
+        # 1. Roots: exact methods emit one draw from r; lossy ti-mcsd's top-W roots compete.
+        roots = draw_roots(r, tree.roots, config, generator)
+        out.extend(roots[:root_emitted].tolist())
+        if out and (out[-1] == eos_id or len(out) >= config.max_new_tokens):
+            break
+        # 2. Propose: draft below the roots while the budget (one token per level) allows.
+        levels = min(tree.max_depth, config.max_new_tokens - len(out) - 1 + root_emitted)
+        context = RoundContext(len(out), stats.last_accepted, stats.acceptance_rate)
+        proposal = propose(drafter, tree, roots, r, target.length, levels, policy, context,
+                           config, generator)
+        # 3. Score: one target pass over the proposal.
+        scores = score(target, tree, proposal, config.sampling, costs,
+                       drafter is not None and drafter.needs_target_hidden)
         # 4. Verify.
-        if config.lossy:
-            verdict = dynasd_select(tree, depth, tokens, p, q_all, sampling, eos_id, generator)
-        else:
-            verdict = verify_tree(tree, depth, tokens, p, q_all, sampling,
-                                  config.without_replacement, eos_id, generator)
-
-        # 5. Keep the accepted path in both caches; emit its tokens.
-        path = torch.tensor(verdict.path, dtype=torch.long)
-        target.retain(torch.cat([torch.arange(root_position), root_position + path]))
-        if drafter is not None:
-            drafter.commit(tree, depth, verdict.path, tokens, hidden[:n] if wants_hidden else None)
-        path_tokens = tokens[path.to(tokens.device)].tolist()
-        out.extend(path_tokens if config.lossy else path_tokens[1:])
-        accepted = len(verdict.path) - 1
-        stats.accepted += accepted
-        stats.accepted_per_round.append(accepted)
-        stats.drafted_levels += depth
-        stats.drafted_tokens += n - tree.roots
-        if hook is not None and depth > 0:
-            hook(_round_record(len(stats.accepted_per_round) - 1, tree, n, tokens, p, q_all,
-                               torch.cat(features), verdict.labels))
+        verdict = verify(tree, proposal, scores, config, eos_id, generator)
+        # 5. Commit the accepted path to both caches; emit the tokens not emitted at step 1.
+        out.extend(commit(target, drafter, tree, proposal, scores, verdict)[root_emitted:])
+        stats.add_round(proposal.depth, tree.size(proposal.depth) - tree.roots,
+                        len(verdict.path) - 1)
+        if hook is not None and proposal.depth > 0:
+            hook(_round_record(len(stats.accepted_per_round) - 1, tree, proposal, scores, verdict))
         if verdict.next_dist is None or len(out) >= config.max_new_tokens:
             break
         r = verdict.next_dist
-
     del out[config.max_new_tokens:]
     stats.new_tokens = len(out)
     stats.seconds = time.perf_counter() - start
     return Generation(out, stats)
 
 
-def _padded_pass(tree: Tree, depth: int, tokens: torch.Tensor, root_position: int,
-                 width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """ids [width], positions [width], tail mask [width, width] (None for a lone token)."""
-    n = tree.size(depth)
-    positions = root_position + tree.depth[:n]
-    if width == 1:
-        return tokens, positions, None
-    pad = width - n
-    mask = torch.block_diag(tree.sliced_mask(depth), torch.eye(pad, dtype=torch.bool))
-    ids = torch.cat([tokens, tokens[:1].expand(pad)])
-    return ids, torch.cat([positions, positions[:1].expand(pad)]), mask
+def prefill(
+    target: KVModel,
+    drafter: Drafter | None,
+    prompt: torch.Tensor,  # [L] long
+    sampling: Sampling,
+) -> torch.Tensor:
+    """Both caches take the prompt; returns r [V], the target's next-token distribution."""
+    target.reset()
+    logits, hidden = target.extend_with_hidden(prompt, torch.arange(prompt.shape[0]), None,
+                                               last_only=True)
+    r = warp(logits, sampling)[0]
+    if drafter is not None:
+        drafter.reset(prompt, hidden if drafter.needs_target_hidden else None)
+    return r
 
 
-def _draw_roots(r: torch.Tensor, width: int, sampling: Sampling, lossy: bool,
-                generator: torch.Generator | None) -> torch.Tensor:
-    """[width] root tokens: one draw from r (exact), or the top-W / W draws without replacement."""
-    if not lossy:
-        token = int(torch.argmax(r)) if sampling.greedy else sample(r.float(), generator)
-        return torch.tensor([token], device=r.device)
-    return draft_children(r[None].float(), width, sampling, True, generator)[0]
+def draw_roots(
+    r: torch.Tensor,  # [V]
+    width: int,
+    config: DecodeConfig,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """[width] root tokens: one draw from r (exact), or the top-W / W draws without replacement
+    (lossy ti-mcsd)."""
+    if config.lossy:
+        return draft_children(r[None].float(), width, config.sampling,
+                              without_replacement=True, generator=generator)[0]
+    token = int(torch.argmax(r)) if config.sampling.greedy else sample(r.float(), generator)
+    return torch.tensor([token], device=r.device)
 
 
-def _round_record(index: int, tree: Tree, n: int, tokens: torch.Tensor, p: torch.Tensor,
-                  q: torch.Tensor, features: torch.Tensor, labels: torch.Tensor) -> RoundRecord:
-    drafted = torch.arange(tree.roots, n)
+def propose(
+    drafter: Drafter | None,
+    tree: Tree,
+    roots: torch.Tensor,  # [roots] long
+    r: torch.Tensor,  # [V] the distribution the roots were drawn from
+    root_position: int,
+    levels: int,  # the deepest level the budget allows
+    policy: StoppingPolicy,
+    context: RoundContext,
+    config: DecodeConfig,
+    generator: torch.Generator | None,
+) -> Proposal:
+    """Draft the tree below `roots` level by level while `policy` says go on (nothing for `ar`)."""
+    tokens, q_rows, feature_rows = roots, [], []
+    root_rank = torch.arange(tree.roots, device=r.device)
+    root_prob, confidence = r[roots], torch.ones(tree.roots, device=r.device)
+    for depth in range(levels if drafter is not None else 0):
+        logits = drafter.step(tree, depth, tokens[tree.level(depth)], root_position)
+        q = warp(logits, config.sampling)  # [n_depth, V]
+        kids = draft_children(q, tree.branching[depth], config.sampling,
+                              config.without_replacement, generator)
+        level = tree.level(depth + 1)
+        roots_of_kids = tree.root[level].to(r.device)
+        features = draft_features(q, kids, depth + 1, root_rank[roots_of_kids],
+                                  root_prob[roots_of_kids], confidence, context)
+        confidence = features[:, PATH_CONFIDENCE]
+        tokens = torch.cat([tokens, kids.flatten()])
+        q_rows.append(q)
+        feature_rows.append(features)
+        if not bool(policy(features, tree.parent_row[level].to(r.device)).any()):
+            break
+    q_all = torch.cat(q_rows) if q_rows else r.new_zeros(0, r.shape[0])
+    features_all = torch.cat(feature_rows) if feature_rows else torch.zeros(0, len(FEATURES))
+    return Proposal(tokens, len(q_rows), root_position, q_all, features_all)
+
+
+def score(target: KVModel, tree: Tree, proposal: Proposal, sampling: Sampling,
+          costs: VerifyCosts | None, needs_hidden: bool) -> Scores:
+    """One target pass over the proposal under its sliced tree mask, padded to the cheapest
+    measured width (padding repeats the first root; a lone token needs no mask)."""
+    n = tree.size(proposal.depth)
+    width = costs.padded_width(n) if costs else n
+    tokens, positions = proposal.tokens, proposal.root_position + tree.depth[:n]
+    ids = torch.cat([tokens, tokens[:1].expand(width - n)])
+    positions = torch.cat([positions, positions[:1].expand(width - n)])
+    mask = tree.padded_mask(proposal.depth, width) if width > 1 else None
+    logits, hidden = target.extend_with_hidden(ids, positions, mask)
+    return Scores(warp(logits[:n], sampling), hidden[:n] if needs_hidden else None)
+
+
+def verify(tree: Tree, proposal: Proposal, scores: Scores, config: DecodeConfig,
+           eos_id: int | None, generator: torch.Generator | None) -> Verdict:
+    """The method's rule: exact tree verification, or the lossy DynaSD selection."""
+    args = (tree, proposal.depth, proposal.tokens, scores.p, proposal.q, config.sampling)
+    if config.lossy:
+        return dynasd_select(*args, eos_id, generator)
+    return verify_tree(*args, config.without_replacement, eos_id, generator)
+
+
+def commit(target: KVModel, drafter: Drafter | None, tree: Tree, proposal: Proposal,
+           scores: Scores, verdict: Verdict) -> list[int]:
+    """Keep the accepted path in both caches; returns its tokens, root first."""
+    path = torch.tensor(verdict.path, dtype=torch.long)
+    target.retain(kept_positions(proposal.root_position, path))
+    if drafter is not None:
+        drafter.commit(tree, proposal.depth, verdict.path, proposal.tokens, scores.hidden)
+    return proposal.tokens[path.to(proposal.tokens.device)].tolist()
+
+
+def _round_record(index: int, tree: Tree, proposal: Proposal, scores: Scores,
+                  verdict: Verdict) -> RoundRecord:
+    """What the feature hook sees of round `index`: every drafted node."""
+    drafted = torch.arange(tree.roots, tree.size(proposal.depth))
     parent = tree.parent[drafted]
-    kids = tokens[drafted.to(tokens.device)]
+    kids = proposal.tokens[drafted.to(proposal.tokens.device)]
+    p, q = scores.p, proposal.q
     return RoundRecord(
         round=index,
         tokens=kids.cpu(),
@@ -293,8 +333,8 @@ def _round_record(index: int, tree: Tree, n: int, tokens: torch.Tensor, p: torch
         parent=parent,
         node=drafted,
         branch=tree.branch[drafted],
-        features=features.cpu(),
-        labels=labels[drafted],
+        features=proposal.features.cpu(),
+        labels=verdict.labels[drafted],
         p_target=p[parent.to(p.device), kids].float().cpu(),
         q_draft=q[parent.to(q.device), kids].float().cpu(),
     )

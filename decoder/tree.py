@@ -3,7 +3,10 @@
 A tree has `roots` level-0 nodes (1, or the target's top-W roots of lossy ti-mcsd) and
 `branching[d-1]` children per node at level d.  One mask is built for the largest tree and
 sliced to the depth actually drafted (the leading principal block), so the draft length can
-change every round without rebuilding anything (VERIFICATION.md §4).
+change every round without rebuilding anything (VERIFICATION.md §4).  This is the one place
+that builds tree masks (bool, True = may attend): the target's padded pass (`padded_mask`), a
+draft step's rows (`level_rows`) and the committed chain before the roots (`chain_then_roots`);
+`KVModel` turns them into the model's additive mask.
 """
 
 from __future__ import annotations
@@ -73,9 +76,22 @@ class Tree:
         n = self.size(depth)
         return self.mask[:n, :n]
 
+    def padded_mask(self, depth: int, width: int) -> torch.Tensor:
+        """[width, width] `sliced_mask(depth)` followed by padding rows that see only themselves."""
+        pad = width - self.size(depth)
+        assert pad >= 0, (width, self.size(depth))
+        return torch.block_diag(self.sliced_mask(depth), torch.eye(pad, dtype=torch.bool))
+
     def level_rows(self, d: int) -> torch.Tensor:
         """[n_d, size(d)] rows of level d over every node up to level d (one draft step's mask)."""
         return self.mask[self.level(d), : self.size(d)]
+
+    def chain_then_roots(self, m: int) -> torch.Tensor:
+        """[m + roots, m + roots] a causal chain of m committed tokens, then the roots, which see
+        the chain and themselves (a draft's first step of a round)."""
+        allow = torch.ones(m + self.roots, m + self.roots, dtype=torch.bool).tril()
+        allow[m:, m:] = self.level_rows(0)
+        return allow
 
     def children(self, node: int) -> range:
         """Indices of node's children (empty for a leaf of the largest tree)."""

@@ -4,35 +4,19 @@ Notation as in the papers: `p` is the target's post-warping distribution at a no
 draft's distribution the node's children were drawn from, `res(p, q) = norm(max(p - q, 0))`.
 The exact rules leave the output distributed exactly as target-only decoding; the DynaSD
 selection (`dynasd_select`) reproduces the published target-initialized rule and is lossy.
+Each rule takes a proposal's tokens and q and the target's p and returns a `Verdict`
+(`contracts.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from .contracts import Verdict
 from .sampling import Sampling, uniform
 from .tree import Tree
 
 RESIDUAL_FLOOR = 1e-12
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Outcome of verifying one tree.
-
-    path: node indices from the committed root down to the last accepted node.
-    next_dist: [V] distribution the next round's root is drawn from (the residual after a
-        rejection, else the target's distribution after the last accepted node); None when an
-        accepted EOS ended the sequence.
-    labels: [n] int8 per drafted node: 1 accepted, 0 rejected, -1 not reached (an earlier
-        token of its branch was rejected).
-    """
-
-    path: list[int]
-    next_dist: torch.Tensor | None
-    labels: torch.Tensor
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,49 @@
+"""The three data contracts of a round (cf. vLLM spec-decode's proposals and scores).
+
+The drafter's `Proposal` (a tree cut after the level drafted last) -> the target's `Scores` (its
+distributions over that tree) -> the verifier's `Verdict` (the accepted path).  Shapes use
+n = tree.size(depth) nodes, the first `roots` of them roots, and V the vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A drafted tree: the roots and every level drafted below them, in tree (level-major) order."""
+
+    tokens: torch.Tensor  # [n] long token ids
+    depth: int  # levels drafted below the roots (0: the roots alone)
+    root_position: int  # sequence position of the roots (the committed length)
+    q: torch.Tensor  # [size(depth - 1), V] draft distribution each fed node's children came from
+    features: torch.Tensor  # [n - roots, F] float32 draft features of each drafted node
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The target's pass over a proposal."""
+
+    p: torch.Tensor  # [n, V] warped target distribution after each node
+    hidden: torch.Tensor | None  # [n, H] last hidden states, when the drafter needs them
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of verifying one tree.
+
+    path: node indices from the root (the committed one, or lossy ti-mcsd's winner) down to the
+        last accepted node.
+    next_dist: [V] distribution the next round's root is drawn from (the residual after a
+        rejection, else the target's distribution after the last accepted node); None when an
+        accepted EOS ended the sequence.
+    labels: [n] int8 per drafted node: 1 accepted, 0 rejected, -1 not reached (an earlier
+        token of its branch was rejected).
+    """
+
+    path: list[int]
+    next_dist: torch.Tensor | None
+    labels: torch.Tensor
