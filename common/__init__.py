@@ -1,1 +1,3 @@
-"""Project-wide utilities: errors, atomic writes, the params schema (imports nothing of specstop)."""
+"""The bottom layer: errors, atomic writes, default paths, the params schema, MLflow tracking.
+
+Imports nothing of specstop's (import-linter contract)."""

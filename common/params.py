@@ -175,7 +175,7 @@ class MLflowConfig(Section):
 class TrackingStore:
     """Where one stage logs its MLflow runs."""
 
-    uri: str  # env MLFLOW_TRACKING_URI overrides it (models.tracking.tracking_uri)
+    uri: str  # env MLFLOW_TRACKING_URI overrides it (common.tracking.tracking_uri)
     experiment: str
 
 

@@ -68,7 +68,7 @@ class FixedDepth:
 
 
 class ConfidenceThreshold:
-    """Stop once the draft's probability of its own token falls below t (transformers' rule)."""
+    """Go on while the draft's probability of its own token exceeds t (transformers' rule)."""
 
     def __init__(self, threshold: float) -> None:
         if not 0.0 <= threshold <= 1.0:

@@ -44,7 +44,7 @@ ROUND_KEYS = ["prompt_id", "round"]
 COLUMNS = ["prompt_id", "split", "round", "node", "parent", "label", "soft_label",
            *FEATURE_NAMES]  # the columns of Split.rows, in this order
 ID_DTYPES = {"round": np.int32, "node": np.int16, "parent": np.int16, "label": np.int8,
-             "soft_label": np.float32}  # as in features.dataset.ROW_SCHEMA
+             "soft_label": np.float32}  # as in rows.ROW_SCHEMA
 BATCH_ROWS = 65_536  # rows per streamed batch (a row group is read at a time)
 POOL = pa.system_memory_pool()  # malloc: memory of a batch read goes back, mimalloc hoards it
 PARQUET = pads.ParquetFileFormat(read_options=pads.ParquetReadOptions(

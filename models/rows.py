@@ -10,7 +10,7 @@ simulator) but are not training examples.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,8 +18,10 @@ import torch
 
 from specstop.common.errors import DataError, first_line
 from specstop.common.files import write_atomic, write_json
-
 from specstop.features import FEATURES, SCHEMA_VERSION, schema_dict
+
+if TYPE_CHECKING:  # the loop's record type only: reading rows needs no runtime
+    from specstop.decoder.loop import RoundRecord
 
 T = TypeVar("T")
 
@@ -53,7 +55,7 @@ class RoundLogger:
     def start(self, prompt_id: str, split: str) -> None:
         self.prompt_id, self.split = prompt_id, split
 
-    def __call__(self, record) -> None:  # record: specstop.decoder.loop.RoundRecord
+    def __call__(self, record: RoundRecord) -> None:
         n = record.tokens.shape[0]
         c = self.columns
         c["prompt_id"] += [self.prompt_id] * n

@@ -1,1 +1,3 @@
+"""Prompt sets: sources (HumanEval, HF datasets, JSONL), de-duplicated train/val/test splits.
 
+Imports only `common`."""
