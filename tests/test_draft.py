@@ -195,7 +195,7 @@ def test_training_resumes_from_its_last_checkpoint(target, tmp_path: Path):
                                            ("avx2 avx512f avx512_bf16", True),
                                            ("avx2 amx_bf16 amx_tile", True)])
 def test_auto_precision_and_dtype_follow_the_cpu_flags(tmp_path, monkeypatch, flags, native):
-    from specstop.decoder import models
+    from specstop.decoder import load as models
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")

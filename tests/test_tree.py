@@ -81,3 +81,24 @@ def test_parent_row_indexes_the_parent_within_its_level():
         d = int(tree.depth[node])
         assert tree.level_start[d - 1] + int(tree.parent_row[node]) == int(tree.parent[node])
     assert (tree.parent_row[: tree.roots] == -1).all()
+
+
+def test_padded_mask_is_the_sliced_tree_then_rows_that_see_only_themselves():
+    tree = Tree(1, (3, 1, 1))
+    n = tree.size(2)
+    mask = tree.padded_mask(2, n + 3)
+    assert torch.equal(mask[:n, :n], tree.sliced_mask(2))
+    assert not mask[:n, n:].any() and not mask[n:, :n].any()  # tree and padding never mix
+    assert torch.equal(mask[n:, n:], torch.eye(3, dtype=torch.bool))
+    assert torch.equal(tree.padded_mask(2, n), tree.sliced_mask(2))
+
+
+@pytest.mark.parametrize("roots, committed", [(1, 0), (1, 4), (3, 2)])
+def test_chain_then_roots_lets_each_root_see_the_chain_and_itself(roots, committed):
+    tree = Tree(roots, (2,))
+    allow = tree.chain_then_roots(committed)
+    m = committed
+    assert torch.equal(allow[:m, :m], torch.ones(m, m, dtype=torch.bool).tril())
+    assert not allow[:m, m:].any()  # the committed chain never sees the new roots
+    assert allow[m:, :m].all()  # every root sees the whole chain
+    assert torch.equal(allow[m:, m:], torch.eye(roots, dtype=torch.bool))  # not each other
