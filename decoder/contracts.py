@@ -20,7 +20,7 @@ class Proposal:
     depth: int  # levels drafted below the roots (0: the roots alone)
     root_position: int  # sequence position of the roots (the committed length)
     q: torch.Tensor  # [size(depth - 1), V] draft distribution each fed node's children came from
-    features: torch.Tensor  # [n - roots, F] float32 draft features of each drafted node
+    features: tuple[torch.Tensor, ...]  # per drafted level d: [n_d, F] float32 draft features
 
 
 @dataclass(frozen=True)

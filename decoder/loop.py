@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from specstop.common.params import METHODS
-from specstop.features import FEATURES, RoundContext, draft_features, feature_index
+from specstop.features import RoundContext, draft_features, feature_index
 
 from .contracts import Proposal, Scores, Verdict
 from .costs import VerifyCosts
@@ -282,8 +282,7 @@ def propose(
         if not bool(policy(features, tree.parent_row[level].to(r.device)).any()):
             break
     q_all = torch.cat(q_rows) if q_rows else r.new_zeros(0, r.shape[0])
-    features_all = torch.cat(feature_rows) if feature_rows else torch.zeros(0, len(FEATURES))
-    return Proposal(tokens, len(q_rows), root_position, q_all, features_all)
+    return Proposal(tokens, len(q_rows), root_position, q_all, tuple(feature_rows))
 
 
 def score(target: KVModel, tree: Tree, proposal: Proposal, sampling: Sampling,
@@ -333,7 +332,7 @@ def _round_record(index: int, tree: Tree, proposal: Proposal, scores: Scores,
         parent=parent,
         node=drafted,
         branch=tree.branch[drafted],
-        features=proposal.features.cpu(),
+        features=torch.cat(proposal.features).cpu(),  # joined for logging only
         labels=verdict.labels[drafted],
         p_target=p[parent.to(p.device), kids].float().cpu(),
         q_draft=q[parent.to(q.device), kids].float().cpu(),

@@ -22,13 +22,12 @@ from pathlib import Path
 import torch
 
 from specstop.common.errors import SpecstopError, first_line
-from specstop.features import FEATURES, SCHEMA_VERSION, feature_index
+from specstop.features import FEATURES, SCHEMA_VERSION
 
-from .policy import continues, cost_aware_score
+from .policy import DEPTH, continues, cost_aware_score
 
 STOP_MODEL_META = "specstop.json"
 RULES = ("threshold", "cost_aware")
-DEPTH = feature_index("depth")
 
 
 def read_stop_model(path: Path) -> tuple[torch.jit.ScriptModule, dict]:
