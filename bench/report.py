@@ -1,103 +1,167 @@
-"""metrics/bench.json, the per-prompt CSV, the plot data and PNGs of stage `bench`.
+"""metrics/bench.json, the per-prompt CSV, the results table and the plots of stage `bench`.
 
-bench.json: greedy methods at the top level (CONTRACTS.md keys: `tokens_per_s`,
-`speedup_vs_ar`, `mean_accepted`, `acceptance_rate`, `greedy_identical_to_ar`, plus counts and
-quality), the same under `sampling`, the exported policy (`ti-mcsd+stop_model`) with
-`speedup_vs_hf_assisted`, `speedup_vs_best_static_sd` and its simulated speedup beside the
-measured one; `setup`, `latency` (a draft step beside a decision) and `targets` (issue 6's
-checks).
+bench.json (CONTRACTS.md): the greedy methods at the top level (`tokens_per_s`,
+`speedup_vs_ar` with `speedup_vs_ar_ci95`, `mean_accepted`, `acceptance_rate`,
+`greedy_identical_to_ar`, counts, quality, the largest divergence gap), the sampled ones under
+`sampling`; `summary` (the exported policy against the best static method, `ar`, `sd` and
+transformers, `sd` against transformers on the same draft, the A/A noise floor: each a ratio
+with its paired 95% bootstrap interval over prompts); `setup`, `latency` and `targets`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from matplotlib.ticker import MaxNLocator
 
+from specstop.common.errors import SpecstopError
 from specstop.common.files import write_atomic, write_json
+from specstop.evaluation.intervals import Ratio, speed_ratio
 from specstop.evaluation.side_by_side import MethodResult
 from specstop.models.plots import plt, write_csv
 
-EXPORTED, HF, SD = "ti-mcsd+stop_model", "hf-assisted", "sd"
-HF_TARGET, SIMULATION_TOLERANCE = 1.2, 0.15
-NOT_METHODS = ("sampling", "setup", "latency", "targets")  # bench.json's other entries
+AR, AA, SD, EXPORTED = "ar", "ar-aa", "sd", "ti-mcsd+stop_model"
+STATIC = ("sd", "sd-compact", "mcsd", "ti-mcsd")  # specstop at a fixed draft depth, lossless
+HF_ASSISTED = ("hf-assisted", "hf-assisted-static")  # transformers, the same draft as sd's row
+SIMULATION_TOLERANCE = 0.15
+README_START, README_END = "<!-- bench results: start -->", "<!-- bench results: end -->"
+NOT_METHODS = ("sampling", "setup", "latency", "summary", "targets")  # bench.json's other keys
 
 
-def write(results: dict[str, list[MethodResult]], prompt_ids: list[str], setup: dict,
-          latency: dict, simulated: dict[str, float], path: Path, folder: Path) -> dict:
+@dataclass(frozen=True)
+class Inputs:
+    """What the bench measured, and what it needs to say about it."""
+
+    results: dict[str, list[MethodResult]]  # mode (greedy, sampling) -> methods, ar first
+    prompt_ids: list[str]
+    domains: list[str]  # per prompt: its source
+    same_draft_sd: str | None  # the specstop row that runs the transformers peer's draft
+    simulated: dict[str, float]  # method -> simulated speedup on val
+    resamples: int
+    seed: int
+
+
+def write(inputs: Inputs, setup: dict, latency: dict, path: Path, folder: Path) -> dict:
     """Write every output; return bench.json's content."""
-    greedy = _mode(results["greedy"], len(prompt_ids), True, simulated)
-    metrics = {**greedy, "sampling": _mode(results["sampling"], len(prompt_ids), False, {}),
-               "setup": setup, "latency": latency, "targets": _targets(greedy)}
+    greedy = _mode(inputs, "greedy")
+    summary = _summary(inputs, greedy)
+    metrics = {**greedy, "sampling": _mode(inputs, "sampling"), "setup": setup,
+               "latency": latency, "summary": summary, "targets": _targets(greedy, summary)}
     write_json(path, metrics)
-    _per_prompt_csv(results, prompt_ids, folder / "per_prompt.csv")
-    for mode, entries in results.items():
-        by_method = metrics if mode == "greedy" else metrics["sampling"]
-        write_csv(folder / "speedup" / f"{mode}.csv", ["method", "speedup_vs_ar"],
-                        [(r.method, by_method[r.method]["speedup_vs_ar"]) for r in entries])
+    _per_prompt_csv(inputs, folder / "per_prompt.csv")
+    for mode, entries in inputs.results.items():
+        by_method = methods(metrics if mode == "greedy" else metrics["sampling"])
+        write_csv(folder / "speedup" / f"{mode}.csv",
+                  ["method", "speedup_vs_ar", "ci95_low", "ci95_high"], _speedup_rows(by_method))
         write_csv(folder / "accepted_length" / f"{mode}.csv",
-                        ["method", "accepted", "fraction"], _accepted_rows(entries))
-    _figures(metrics, results["greedy"], folder)
+                  ["method", "accepted", "fraction"], _accepted_rows(entries))
+    _figures(metrics, inputs.results["greedy"], folder)
     write_atomic(folder / "results.md", lambda tmp: tmp.write_text(markdown(metrics)))
     return metrics
 
 
-def _mode(results: list[MethodResult], n: int, greedy: bool, simulated: dict) -> dict:
-    ar = results[0].stats.tokens_per_s
-    out = {r.method: _method(r, ar, n, greedy) for r in results}
-    for name, speedup in simulated.items():
-        if name in out:
-            out[name]["simulated_speedup"] = speedup
-            out[name]["measured_over_simulated"] = out[name]["speedup_vs_ar"] / speedup
-    if EXPORTED in out:
-        exported = out[EXPORTED]["tokens_per_s"]
-        if HF in out:
-            out[EXPORTED]["speedup_vs_hf_assisted"] = exported / out[HF]["tokens_per_s"]
-        out[EXPORTED]["speedup_vs_best_static_sd"] = exported / out[SD]["tokens_per_s"]
+def ratio(inputs: Inputs, mode: str, a: str, b: str) -> Ratio:
+    """Method a's throughput over b's on the same prompts, with its paired interval."""
+    by_name = {r.method: r for r in inputs.results[mode]}
+    per_a, per_b = by_name[a].per_prompt, by_name[b].per_prompt
+    return speed_ratio([s.new_tokens for s in per_a], [s.seconds for s in per_a],
+                       [s.new_tokens for s in per_b], [s.seconds for s in per_b],
+                       inputs.resamples, inputs.seed)
+
+
+def _mode(inputs: Inputs, mode: str) -> dict:
+    results, n = inputs.results[mode], len(inputs.prompt_ids)
+    out = {}
+    for r in results:
+        vs_ar = ratio(inputs, mode, r.method, AR)
+        out[r.method] = {**_method(r, n, mode == "greedy"), "speedup_vs_ar": vs_ar.ratio,
+                         "speedup_vs_ar_ci95": vs_ar.as_dict()["ci95"]}
+        if mode == "greedy":
+            name = r.method
+            if name in inputs.simulated:
+                out[name]["simulated_speedup"] = inputs.simulated[name]
+                out[name]["measured_over_simulated"] = vs_ar.ratio / inputs.simulated[name]
     return out
 
 
-def _method(result: MethodResult, ar: float, n: int, greedy: bool) -> dict:
+def _method(result: MethodResult, n: int, greedy: bool) -> dict:
     s = result.stats
-    out = {"tokens_per_s": s.tokens_per_s, "speedup_vs_ar": s.tokens_per_s / ar if ar else 0.0,
-           "mean_accepted": s.mean_accepted, "acceptance_rate": s.acceptance_rate,
-           "target_calls": s.target_calls, "draft_steps": s.draft_steps,
-           "new_tokens": s.new_tokens, "seconds": s.seconds,
+    gaps = [g for g in result.divergence_gaps if g is not None]
+    out = {"tokens_per_s": s.tokens_per_s, "mean_accepted": s.mean_accepted,
+           "acceptance_rate": s.acceptance_rate, "target_calls": s.target_calls,
+           "draft_steps": s.draft_steps, "new_tokens": s.new_tokens, "seconds": s.seconds,
            "exact_match_vs_ar": result.identical_to_ar / n,
            "mean_target_logprob": result.mean_logprob(n)}
     if greedy:
         out["greedy_identical_to_ar"] = result.identical_to_ar == n
+        out["max_divergence_gap"] = max(gaps) if gaps else None
     return out
 
 
-def _targets(greedy: dict) -> dict:
-    """Issue 6: exported policy ≥ 1.2x transformers' assisted generation, faster than `sd` at
-    its best γ, simulated and measured speedups within 15%."""
-    exported = greedy.get(EXPORTED, {})
-    vs_hf = exported.get("speedup_vs_hf_assisted")
-    ratio = exported.get("measured_over_simulated")
-    return {"vs_hf_assisted_ge_1_2": None if vs_hf is None else vs_hf >= HF_TARGET,
-            "faster_than_best_static_sd": exported.get("speedup_vs_best_static_sd", 0) > 1,
-            "simulated_within_15pct": None if ratio is None
-            else abs(ratio - 1) <= SIMULATION_TOLERANCE,
+def _summary(inputs: Inputs, greedy: dict) -> dict:
+    """The claims the stage makes, each a paired ratio with its interval."""
+    static = [name for name in STATIC if name in greedy]
+    best_static = max(static, key=lambda name: greedy[name]["tokens_per_s"])
+    peers = [name for name in HF_ASSISTED if name in greedy]
+    best_peer = max(peers, key=lambda name: greedy[name]["tokens_per_s"]) if peers else None
+
+    def vs(a: str | None, b: str | None) -> dict | None:
+        return None if a is None or b is None else ratio(inputs, "greedy", a, b).as_dict()
+
+    lossless = [m for name, m in greedy.items() if "lossy" not in name]
+    gaps = [m["max_divergence_gap"] for m in lossless if m["max_divergence_gap"] is not None]
+    return {"winner": EXPORTED, "best_static": best_static, "hf_assisted_best": best_peer,
+            "prompts": len(inputs.prompt_ids), "domains": sorted(set(inputs.domains)),
+            "prompts_per_domain": dict(sorted(Counter(inputs.domains).items())),
+            "max_divergence_gap": max(gaps) if gaps else None,
+            "winner_vs_best_static": vs(EXPORTED, best_static), "winner_vs_ar": vs(EXPORTED, AR),
+            "winner_vs_sd": vs(EXPORTED, SD), "winner_vs_hf_assisted": vs(EXPORTED, best_peer),
+            "sd_vs_hf_assisted_same_draft": vs(inputs.same_draft_sd, best_peer),
+            "aa_noise": vs(AA, AR)}
+
+
+def _targets(greedy: dict, summary: dict) -> dict:
+    """Checks against the best static method and transformers, decided by the interval: true
+    when it lies above 1, false when below, null when it contains 1 (or is unknown)."""
+    exported = greedy[EXPORTED]
+    ratio_ = exported.get("measured_over_simulated")
+    return {"winner_faster_than_best_static": _above_one(summary["winner_vs_best_static"]),
+            "winner_faster_than_hf_assisted": _above_one(summary["winner_vs_hf_assisted"]),
+            "simulated_within_15pct": None if ratio_ is None
+            else abs(ratio_ - 1) <= SIMULATION_TOLERANCE,
             "lossless_greedy_identical": all(
-                m["greedy_identical_to_ar"] for name, m in greedy.items()
-                if "lossy" not in name and name != "ar")}
+                m["greedy_identical_to_ar"] for name, m in greedy.items() if "lossy" not in name)}
 
 
-def _per_prompt_csv(results: dict[str, list[MethodResult]], prompt_ids: list[str],
-                    path: Path) -> None:
-    header = ["mode", "method", "prompt", "prompt_id", "new_tokens", "seconds", "tokens_per_s",
-              "target_calls", "draft_steps", "mean_accepted", "acceptance_rate",
-              "identical_to_ar", "mean_target_logprob"]
-    rows = [(mode, r.method, i, prompt_ids[i], s.new_tokens, round(s.seconds, 4),
-             round(s.tokens_per_s, 3), s.target_calls, s.draft_steps,
-             round(s.mean_accepted, 4), round(s.acceptance_rate, 4), int(r.identical[i]),
-             round(r.logprobs[i], 4))
-            for mode, entries in results.items() for r in entries
-            for i, s in enumerate(r.per_prompt)]
+def _above_one(entry: dict | None) -> bool | None:
+    if entry is None or entry["ci95"] is None:
+        return None
+    low, high = entry["ci95"]
+    return True if low > 1 else False if high < 1 else None
+
+
+def _per_prompt_csv(inputs: Inputs, path: Path) -> None:
+    header = ["mode", "method", "prompt", "prompt_id", "domain", "new_tokens", "seconds",
+              "tokens_per_s", "target_calls", "draft_steps", "mean_accepted", "acceptance_rate",
+              "identical_to_ar", "divergence_gap", "mean_target_logprob"]
+    rows = []
+    for mode, entries in inputs.results.items():
+        for r in entries:
+            gaps = r.divergence_gaps or [None] * len(r.per_prompt)
+            rows += [(mode, r.method, i, inputs.prompt_ids[i], inputs.domains[i], s.new_tokens,
+                      round(s.seconds, 4), round(s.tokens_per_s, 3), s.target_calls,
+                      s.draft_steps, round(s.mean_accepted, 4), round(s.acceptance_rate, 4),
+                      int(r.identical[i]), "" if gaps[i] is None else round(gaps[i], 5),
+                      round(r.logprobs[i], 4))
+                     for i, s in enumerate(r.per_prompt)]
     write_csv(path, header, rows)
+
+
+def _speedup_rows(by_method: dict) -> list[tuple]:
+    return [(name, m["speedup_vs_ar"], *(m["speedup_vs_ar_ci95"] or ("", "")))
+            for name, m in by_method.items()]
 
 
 def _accepted_rows(results: list[MethodResult]) -> list[tuple]:
@@ -114,16 +178,18 @@ def _accepted_rows(results: list[MethodResult]) -> list[tuple]:
 
 def _figures(metrics: dict, greedy: list[MethodResult], folder: Path) -> None:
     names = [r.method for r in greedy]
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(names) + 1.5))
-    y = range(len(names))
-    ax.barh([i - 0.2 for i in y], [metrics[n]["speedup_vs_ar"] for n in names], 0.4,
-            label="greedy")
-    ax.barh([i + 0.2 for i in y], [metrics["sampling"][n]["speedup_vs_ar"] for n in names], 0.4,
-            label="sampling")
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(names) + 1.5))
+    for offset, label, by_method in ((-0.2, "greedy", metrics),
+                                     (0.2, "sampling", metrics["sampling"])):
+        rows = [(i + offset, by_method[n]) for i, n in enumerate(names) if n in by_method]
+        values = [m["speedup_vs_ar"] for _, m in rows]
+        errors = [[v - (m["speedup_vs_ar_ci95"] or [v, v])[0] for v, (_, m) in zip(values, rows)],
+                  [(m["speedup_vs_ar_ci95"] or [v, v])[1] - v for v, (_, m) in zip(values, rows)]]
+        ax.barh([y for y, _ in rows], values, 0.4, xerr=errors, capsize=2, label=label)
     ax.axvline(1.0, color="grey", linestyle="--", linewidth=1)
-    ax.set_yticks(list(y), names)
+    ax.set_yticks(list(range(len(names))), names)
     ax.invert_yaxis()
-    ax.set_xlabel("tokens/s relative to ar")
+    ax.set_xlabel("tokens/s relative to ar (95% paired bootstrap interval over prompts)")
     ax.legend()
     _save(fig, folder / "speedup.png")
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -137,59 +203,98 @@ def _figures(metrics: dict, greedy: list[MethodResult], folder: Path) -> None:
 
 
 def _lines(rows: list[tuple]) -> list[tuple[str, list[int], list[float]]]:
-    methods = dict.fromkeys(r[0] for r in rows)
+    methods_ = dict.fromkeys(r[0] for r in rows)
     return [(m, [r[1] for r in rows if r[0] == m], [r[2] for r in rows if r[0] == m])
-            for m in methods]
+            for m in methods_]
 
 
 def _save(fig, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120,
-                                                     bbox_inches="tight"))
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
     plt.close(fig)
 
 
 def methods(metrics: dict) -> dict:
-    """The greedy methods of bench.json (its other top-level entries are not methods)."""
+    """The methods of a bench.json mode (its other top-level entries are not methods)."""
     return {name: m for name, m in metrics.items() if name not in NOT_METHODS}
 
 
+def _ci(entry: dict | None) -> str:
+    """`1.23 [1.10, 1.35]`, or `-` where there is nothing to compare."""
+    if entry is None:
+        return "-"
+    ci = entry["ci95"]
+    return f"{entry['ratio']:.2f}" + ("" if ci is None else f" [{ci[0]:.2f}, {ci[1]:.2f}]")
+
+
+def _speedup(m: dict) -> dict:
+    return {"ratio": m["speedup_vs_ar"], "ci95": m["speedup_vs_ar_ci95"]}
+
+
+def claims(metrics: dict) -> list[str]:
+    """The stage's claims, each against the best static method or a peer, with its interval."""
+    s = metrics["summary"]
+    lines = [f"exported policy ({s['winner']}) vs the best static method ({s['best_static']}): "
+             f"{_ci(s['winner_vs_best_static'])}; vs ar {_ci(s['winner_vs_ar'])}; "
+             f"vs sd {_ci(s['winner_vs_sd'])}"]
+    if s["hf_assisted_best"] is not None:
+        lines.append(f"vs transformers ({s['hf_assisted_best']}, same draft as the sd row): "
+                     f"exported policy {_ci(s['winner_vs_hf_assisted'])}, specstop sd "
+                     f"{_ci(s['sd_vs_hf_assisted_same_draft'])}")
+    gap = s["max_divergence_gap"]
+    lines.append(f"A/A noise (ar timed twice): {_ci(s['aa_noise'])}; {s['prompts']} prompts "
+                 f"({', '.join(f'{d} {n}' for d, n in s['prompts_per_domain'].items())}); "
+                 f"largest top-1/top-2 gap where a lossless output parts from ar's: "
+                 f"{'none parted' if gap is None else f'{gap:.4f}'}")
+    return lines
+
+
 def markdown(metrics: dict) -> str:
-    """The README's results table: greedy and sampling speed of every method vs `ar`."""
+    """The README's results table: every method against `ar`, with intervals, then the claims."""
     setup, sampling = metrics["setup"], metrics["sampling"]
-    rows = [f"{setup['prompts']} held-out prompts, {setup['max_new_tokens']} new tokens, "
-            f"{str(setup['dtype']).removeprefix('torch.')} on {setup['device']}; sampling at T={setup['temperature']}.",
+    rows = [f"{setup['prompts']} held-out prompts ({', '.join(metrics['summary']['domains'])}), "
+            f"{setup['max_new_tokens']} new tokens, "
+            f"{str(setup['dtype']).removeprefix('torch.')} on {setup['device']} "
+            f"({setup['threads']} threads); sampling at T={setup['temperature']}; 95% paired "
+            "bootstrap intervals over prompts.",
             "",
-            "| method | tok/s | vs `ar` | accepted per target call | acceptance | identical "
-            "to `ar` | sampling: vs `ar` |",
+            "| method | tok/s | vs `ar` (greedy) | accepted per target call | acceptance | "
+            "identical to `ar` | vs `ar` (sampling) |",
             "|---|---|---|---|---|---|---|"]
     for name, m in methods(metrics).items():
-        sampled = f"{sampling[name]['speedup_vs_ar']:.2f}" if name in sampling else "-"
-        rows.append(f"| `{name}` | {m['tokens_per_s']:.2f} | {m['speedup_vs_ar']:.2f} | "
+        sampled = _ci(_speedup(sampling[name])) if name in sampling else "-"
+        rows.append(f"| `{name}` | {m['tokens_per_s']:.2f} | {_ci(_speedup(m))} | "
                     f"{m['mean_accepted']:.2f} | {m['acceptance_rate']:.3f} | "
                     f"{m['exact_match_vs_ar']:.0%} | {sampled} |")
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows + [""] + [f"- {line}" for line in claims(metrics)]) + "\n"
 
 
 def table(metrics: dict) -> str:
-    """Greedy and sampling side by side, one line per method."""
-    rows = [f"{'method':26}{'tok/s':>8}{'vs ar':>7}{'acc/call':>9}{'accept':>8}{'=ar':>5}"
-            f"{'logp':>7}{'sim.':>7}  | sampling {'tok/s':>7}{'vs ar':>7}{'acc/call':>9}"]
+    """Greedy and sampling side by side, one line per method, then the claims."""
+    rows = [f"{'method':28}{'tok/s':>8}  {'vs ar [95% CI]':<20}{'acc/call':>9}{'accept':>8}"
+            f"{'=ar':>5}{'sim.':>7}  | sampling vs ar [95% CI]"]
     sampling = metrics["sampling"]
     for name, m in methods(metrics).items():
-        s = sampling.get(name, {})
         sim = f"{m['simulated_speedup']:.2f}" if "simulated_speedup" in m else "-"
-        rows.append(f"{name:26}{m['tokens_per_s']:>8.2f}{m['speedup_vs_ar']:>7.2f}"
+        sampled = _ci(_speedup(sampling[name])) if name in sampling else "-"
+        rows.append(f"{name:28}{m['tokens_per_s']:>8.2f}  {_ci(_speedup(m)):<20}"
                     f"{m['mean_accepted']:>9.2f}{m['acceptance_rate']:>8.3f}"
-                    f"{'yes' if m['greedy_identical_to_ar'] else 'no':>5}"
-                    f"{m['mean_target_logprob']:>7.2f}{sim:>7}  |          "
-                    f"{s.get('tokens_per_s', 0):>7.2f}{s.get('speedup_vs_ar', 0):>7.2f}"
-                    f"{s.get('mean_accepted', 0):>9.2f}")
-    exported, latency, nan = metrics.get(EXPORTED, {}), metrics["latency"], float("nan")
-    rows.append(f"exported policy: {exported.get('speedup_vs_hf_assisted', nan):.2f}x "
-                f"transformers' assisted generation, "
-                f"{exported.get('speedup_vs_best_static_sd', nan):.2f}x sd at its best γ; "
-                f"{latency['decision_ms'].get('stop_model', nan):.3f} ms per decision "
-                f"vs {latency['draft_step_ms'].get('1', nan):.3f} ms per draft step")
-    rows.append(f"targets: {metrics['targets']}")
+                    f"{'yes' if m['greedy_identical_to_ar'] else 'no':>5}{sim:>7}  | {sampled}")
+    latency, nan = metrics["latency"], float("nan")
+    rows += claims(metrics)
+    rows.append(f"{latency['decision_ms'].get('stop_model', nan):.3f} ms per decision vs "
+                f"{latency['draft_step_ms'].get('1', nan):.3f} ms per draft step; "
+                f"targets: {metrics['targets']}")
     return "\n".join(rows)
+
+
+def update_readme(readme: Path, metrics: dict) -> None:
+    """Replace the README's results section (between README_START and README_END) with the
+    table of `metrics` (bench.json)."""
+    text = readme.read_text()
+    if text.count(README_START) != 1 or text.count(README_END) != 1:
+        raise SpecstopError(f"{readme}: expected one '{README_START}' and one '{README_END}' line")
+    head, rest = text.split(README_START)
+    _, tail = rest.split(README_END)
+    body = f"{README_START}\n{markdown(metrics)}{README_END}"
+    write_atomic(readme, lambda tmp: tmp.write_text(head + body + tail))

@@ -1,13 +1,17 @@
-"""Stage `bench`'s work: every method side by side on the held-out test prompts, greedy and sampling,
-in one process: `ar`; `sd` at its best fixed γ; `mcsd` and `ti-mcsd` static; `ti-mcsd` with the
-confidence threshold and with each exported decision model (the winner from `stop_model.pt`);
-the published lossy `ti-mcsd --lossy` with the winner; transformers' assisted generation with
-the same target and a standalone draft.  Writes metrics/bench.json (`bench.report`), a CSV per
-prompt, plot data and PNGs.
+"""Stage `bench`'s work: every method side by side on the held-out test prompts, greedy and
+sampling, in one process: `ar` (twice: the A/A noise floor); `sd` at its best fixed γ; `mcsd`
+and `ti-mcsd` static; `ti-mcsd` with the confidence threshold and with each exported decision
+model (the winner from `stop_model.pt`); the published lossy `ti-mcsd --lossy` with the winner;
+and the peers on equal terms: a plain draft (`bench.assistant_draft`, else the default draft
+where it is one) run by specstop's `sd` (`sd-compact`) and by transformers' assisted generation
+with the same distribution, dynamic (its defaults) and static (`sd`'s γ), plus transformers'
+prompt-lookup decoding.  Every method is warmed up and the order rotates per prompt; ratios
+carry paired bootstrap intervals (`bench.report`).  Writes metrics/bench.json, a CSV per
+prompt, the results table, plot data and PNGs.
 
 The trees are those the decision models were trained for (params `collect`); static methods
 draft the best fixed γ of the replay (`data/train/summary.json`), `sd` the γ the draft stage
-measured best (`metrics/draft.json`).
+measured best (`metrics/draft.json`), `sd-compact` that draft's own best γ there.
 """
 
 from __future__ import annotations
@@ -27,15 +31,17 @@ from specstop.decoder.loop import DecodeConfig
 from specstop.decoder.policy import ConfidenceThreshold, FixedDepth
 from specstop.decoder.runtime import Runtime, decode_config
 from specstop.decoder.stop_model import LearnedPolicy, load_stop_model
-from specstop.drafts.loading import require_draft, runtime_from
+from specstop.drafts.loading import is_plain_draft, plain_draft_pair, require_draft, runtime_from
 from specstop.evaluation.side_by_side import Method, bench_methods, decoder_method
 from specstop.models.export import WINNER_FILE
-from specstop.prompts.splits import read_split
+from specstop.prompts.splits import interleave, read_split
 
 from . import report
-from .hf_assisted import hf_method, load_assistant, speculation_settings
+from .hf_assisted import (PROMPT_LOOKUP_NGRAM, assisted_method, dynamic_settings,
+                          prompt_lookup_method, static_settings)
 
 DEFAULT_GAMMA = 4
+SAME_DRAFT_SD = "sd-compact"
 
 
 @dataclass(frozen=True)
@@ -49,27 +55,43 @@ class Plan:
     lossy_winner: LearnedPolicy
     families: dict[str, LearnedPolicy]  # the other exported families
     simulated: dict[str, float]  # method -> simulated speedup on val (greedy)
+    peer_draft: str | None  # the plain draft specstop and transformers both run
+    peer_note: str  # what it is, or why there is none
+    peer_gamma: int  # its `sd` γ, and transformers' static num_assistant_tokens
+
+
+@dataclass(frozen=True)
+class Peers:
+    """The same-draft rows: specstop's `sd` on the peer draft and transformers' assistant."""
+
+    runtime: Runtime  # the runtime whose drafter is the peer draft
+    assistant: torch.nn.Module
+    dynamic: dict  # transformers' dynamic speculation settings for it, as loaded
+    sd_name: str  # `sd` itself where the peer draft is the default one, else SAME_DRAFT_SD
 
 
 def run(config: BenchConfig, models: ModelsConfig, collect: CollectConfig,
-        costs: CostsConfig) -> None:
-    """Every method on the test prompts, greedy then sampling; writes the metrics and plots."""
+        costs: CostsConfig) -> dict:
+    """Every method on the test prompts, greedy then sampling; writes the metrics and plots and
+    returns bench.json's content."""
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # assisted generation's own deprecation notices
-    plan = _plan(config)  # every input of the earlier stages first, then the models
+    plan = _plan(config, models)  # every input of the earlier stages first, then the models
+    _check_sampling_methods(config, plan)
     test = _test_split(config)
     require_draft(models.draft)
     runtime = runtime_from(models, costs, need_draft=True)
     prompts = [runtime.encode(t, chat=False, special_tokens=False) for t in test["text"]]
-    prompt_ids = test["prompt_id"]
-    assistant, assistant_note = load_assistant(runtime, config.assistant_draft, models.draft,
-                                               models.target_cache)
-    if assistant is None:
-        print(f"bench: no transformers assisted-generation peer: {assistant_note}")
+    peers = _peers(runtime, plan, models)
+    if peers is None:
+        print(f"bench: no transformers assisted-generation peer: {plan.peer_note}")
     tree, results = _base_config(config, collect, 0.0), {}
     for mode, temperature in (("greedy", 0.0), ("sampling", config.temperature)):
-        methods = _methods(runtime, _base_config(config, collect, temperature), plan, assistant)
+        methods = _methods(runtime, _base_config(config, collect, temperature), plan, peers,
+                           config.prompt_lookup_tokens)
+        if mode == "sampling":
+            methods = [m for m in methods if m.name in {"ar", *config.sampling_methods}]
         results[mode] = bench_methods(runtime, prompts, methods, config.seed,
                                       progress=f"bench {mode}")
     setup = {"prompts": len(prompts), "max_new_tokens": config.max_new_tokens,
@@ -79,31 +101,59 @@ def run(config: BenchConfig, models: ModelsConfig, collect: CollectConfig,
              "ti_width": tree.ti_width, "max_depth": tree.max_depth,
              "sd_gamma": plan.sd_gamma, "static_gamma": plan.static_gamma,
              "confidence_threshold": plan.confidence, "winner": plan.winner.meta["family"],
-             "winner_rule": plan.winner.rule,
-             "hf_assisted": ({"assistant": assistant_note, **speculation_settings(assistant)}
-                             if assistant is not None else {"skipped": assistant_note})}
+             "winner_rule": plan.winner.rule, "sampling_methods": config.sampling_methods,
+             "order": "warm-up decode per method, then the method order rotated per prompt",
+             "peers": _peer_setup(plan, peers, config.prompt_lookup_tokens)}
     latency = _latency(runtime, plan, tree.ti_width)
-    metrics = report.write(results, prompt_ids, setup, latency, plan.simulated,
-                                 config.metrics, config.plots)
+    inputs = report.Inputs(results, test["prompt_id"], test["source"],
+                           None if peers is None else peers.sd_name, plan.simulated,
+                           config.bootstrap_resamples, config.seed)
+    metrics = report.write(inputs, setup, latency, config.metrics, config.plots)
     print(report.table(metrics))
-    print(f"bench: metrics in {config.metrics}, per-prompt CSV and plots in {config.plots}")
+    print(f"bench: metrics in {config.metrics}, per-prompt CSV, results table and plots in "
+          f"{config.plots}")
+    return metrics
+
+
+def _peer_setup(plan: Plan, peers: Peers | None, lookup_tokens: int) -> dict:
+    """Every peer's settings, as run."""
+    lookup = {"prompt_lookup_num_tokens": lookup_tokens,
+              "max_matching_ngram_size": PROMPT_LOOKUP_NGRAM}
+    if peers is None:
+        return {"hf-assisted": {"skipped": plan.peer_note}, "hf-prompt-lookup": lookup}
+    return {"draft": plan.peer_note, "same_draft_sd": peers.sd_name, "sd_gamma": plan.peer_gamma,
+            "vocabulary": "the draft's pruned vocabulary enforced (logits -inf outside it)",
+            "hf-assisted": peers.dynamic,
+            "hf-assisted-static": static_settings(plan.peer_gamma), "hf-prompt-lookup": lookup}
+
+
+def _check_sampling_methods(config: BenchConfig, plan: Plan) -> None:
+    known = ["ar", "ar-aa", "sd", SAME_DRAFT_SD, "mcsd", "ti-mcsd", "ti-mcsd+confidence",
+             *[f"ti-mcsd+{f}" for f in plan.families], "ti-mcsd+stop_model",
+             "ti-mcsd-lossy+stop_model", "hf-assisted", "hf-assisted-static", "hf-prompt-lookup"]
+    unknown = [name for name in config.sampling_methods if name not in known]
+    if unknown:
+        raise SpecstopError(f"bench.sampling_methods: unknown method '{unknown[0]}' "
+                            f"(known: {', '.join(known)})")
 
 
 def _test_split(config: BenchConfig) -> dict[str, list[str]]:
-    """The first `prompts` test prompts (already chat-rendered) and their ids."""
-    table = read_split(config.prompt_dir, "test")
-    table = {column: values[: config.prompts] for column, values in table.items()}
-    if not table["text"]:
+    """`prompts` test prompts (already chat-rendered), their ids and sources: one from each
+    source in turn, in file order within a source, so every domain is represented."""
+    table = read_split(config.prompt_dir, "test", ("prompt_id", "text", "source"))
+    chosen = interleave(table["source"])[: config.prompts]
+    if not chosen:
         raise SpecstopError(f"{config.prompt_dir / 'test.parquet'}: no test prompt")
-    return table
+    return {column: [values[i] for i in chosen] for column, values in table.items()}
 
 
-def _plan(config: BenchConfig) -> Plan:
+def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
     summary = _read_json(config.train / "summary.json", "train")
     train = _read_json(config.train_metrics, "train")
     require(config.export / WINNER_FILE, "export")
     draft = _read_json(config.draft_metrics, None) if config.draft_metrics.is_file() else {}
     static_gamma = int(summary.get("best_fixed_gamma") or DEFAULT_GAMMA)
+    sd_gamma = int(draft.get("gamma") or static_gamma)
     winner = load_stop_model(config.export / WINNER_FILE)
     family = winner.meta["family"]
     families = {f: load_stop_model(config.export / f"{f}.pt")
@@ -112,10 +162,37 @@ def _plan(config: BenchConfig) -> Plan:
                  "ti-mcsd+confidence": train["confidence"]["simulated_speedup"],
                  "ti-mcsd+stop_model": winner.meta["simulated_speedup"],
                  **{f"ti-mcsd+{f}": p.meta["simulated_speedup"] for f, p in families.items()}}
-    return Plan(sd_gamma=int(draft.get("gamma") or static_gamma), static_gamma=static_gamma,
+    peer, note = _peer_draft(config.assistant_draft, models.draft)
+    measured = draft.get("drafts", {}).get(Path(peer).name, {}) if peer else {}
+    return Plan(sd_gamma=sd_gamma, static_gamma=static_gamma,
                 confidence=float(train["confidence"]["parameter"]),
                 winner=winner, lossy_winner=load_stop_model(config.export / WINNER_FILE),
-                families=families, simulated=simulated)
+                families=families, simulated=simulated, peer_draft=peer, peer_note=note,
+                peer_gamma=int(measured.get("best_gamma") or sd_gamma)
+                if peer != models.draft else sd_gamma)
+
+
+def _peer_draft(preferred: str | None, default: str) -> tuple[str | None, str]:
+    """(the plain draft both runtimes run, what it is): `preferred` where it is a finished
+    model folder, else the default draft where transformers can drive it; None and why else."""
+    if preferred is not None and (Path(preferred) / "config.json").is_file():
+        return preferred, preferred
+    if is_plain_draft(default):
+        return default, default
+    why = ("bench.assistant_draft is not set" if preferred is None
+           else f"'{preferred}' is not a finished model folder")
+    return None, (f"'{default}' is a feature-conditioned head, which transformers cannot use "
+                  f"as an assistant, and {why}")
+
+
+def _peers(runtime: Runtime, plan: Plan, models: ModelsConfig) -> Peers | None:
+    if plan.peer_draft is None:
+        return None
+    drafter, assistant = plain_draft_pair(plan.peer_draft, runtime, models.target_cache)
+    dynamic = dynamic_settings(assistant)
+    if plan.peer_draft == models.draft:
+        return Peers(runtime, assistant, dynamic, "sd")
+    return Peers(dataclasses.replace(runtime, drafter=drafter), assistant, dynamic, SAME_DRAFT_SD)
 
 
 def _read_json(path: Path, stage: str | None) -> dict:
@@ -133,16 +210,17 @@ def _base_config(config: BenchConfig, collect: CollectConfig, temperature: float
     return decode_config(tree, "ar")
 
 
-def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan,
-             assistant: torch.nn.Module | None) -> list[Method]:
+def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan, peers: Peers | None,
+             lookup_tokens: int) -> list[Method]:
     def cfg(method: str, **changes) -> DecodeConfig:
         return dataclasses.replace(base, method=method, **changes)
 
     ti = cfg("ti-mcsd")
+    sd = cfg("sd", max_depth=max(base.max_depth, plan.sd_gamma))
     methods = [
         decoder_method(runtime, base, None, "ar"),
-        decoder_method(runtime, cfg("sd", max_depth=max(base.max_depth, plan.sd_gamma)),
-                       FixedDepth(plan.sd_gamma), "sd"),
+        decoder_method(runtime, base, None, "ar-aa"),
+        decoder_method(runtime, sd, FixedDepth(plan.sd_gamma), "sd"),
         decoder_method(runtime, cfg("mcsd"), FixedDepth(plan.static_gamma), "mcsd"),
         decoder_method(runtime, ti, FixedDepth(plan.static_gamma), "ti-mcsd"),
         decoder_method(runtime, ti, ConfidenceThreshold(plan.confidence), "ti-mcsd+confidence"),
@@ -151,9 +229,15 @@ def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan,
         decoder_method(runtime, cfg("ti-mcsd", lossy=True), plan.lossy_winner,
                        "ti-mcsd-lossy+stop_model"),
     ]
-    if assistant is not None:
-        methods.append(hf_method(runtime, assistant, base))
-    return methods
+    if peers is not None:
+        if peers.sd_name != "sd":
+            peer_sd = cfg("sd", max_depth=max(base.max_depth, plan.peer_gamma))
+            methods.append(decoder_method(peers.runtime, peer_sd, FixedDepth(plan.peer_gamma),
+                                          peers.sd_name))
+        methods += [assisted_method(runtime, peers.assistant, base, peers.dynamic, "hf-assisted"),
+                    assisted_method(runtime, peers.assistant, base,
+                                    static_settings(plan.peer_gamma), "hf-assisted-static")]
+    return methods + [prompt_lookup_method(runtime, base, lookup_tokens)]
 
 
 def _latency(runtime: Runtime, plan: Plan, width: int) -> dict:

@@ -103,7 +103,8 @@ class PromptsConfig(Section):
     out: Path = paths.PROMPTS
     seed: Seed = 0
     fractions: dict[str, NonNegFloat] = {"train": 0.7, "val": 0.15, "test": 0.15}
-    sources: list[dict[str, Any]] = Field([{"embedded": "humaneval"}], min_length=1)
+    sources: list[dict[str, Any]] = Field(
+        [{"embedded": "humaneval"}, {"embedded": "magpie", "max_prompts": 200}], min_length=1)
 
 
 class CorpusConfig(Section):
@@ -249,12 +250,16 @@ class ExportConfig(Section):
 
 
 class BenchConfig(Section):
-    prompts: PosInt = 8  # test prompts (file order)
+    prompts: PosInt = 24  # test prompts, taken from each source in turn (file order within)
     prompt_dir: Path = paths.PROMPTS
-    max_new_tokens: PosInt = 96
+    max_new_tokens: PosInt = 128
     temperature: Temperature = 0.7  # the sampling run (greedy always runs)
     top_p: UnitFraction = 1.0
     seed: Seed = 0
+    sampling_methods: list[str] = Field(  # the methods the sampling run times (greedy: all)
+        ["ar", "sd", "ti-mcsd", "ti-mcsd+stop_model", "hf-assisted-static"])
+    prompt_lookup_tokens: PosInt = 10  # transformers' prompt_lookup_num_tokens
+    bootstrap_resamples: PosInt = 10000  # paired bootstrap over prompts (95% intervals)
     export: Path = paths.EXPORT
     train: Path = paths.TRAIN
     train_metrics: Path = paths.METRICS / "train.json"

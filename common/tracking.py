@@ -1,8 +1,10 @@
-"""MLflow: one experiment per pipeline, one run per model family (nested runs for a search),
-plus one run for the baselines and the oracle."""
+"""MLflow: one experiment per stage (`<experiment>-<stage>`, tagged as model training so the UI
+opens on its runs), one run per model family (nested runs for a search), plus one run for the
+baselines and the oracle, each with its datasets; one run per bench."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import ssl
@@ -25,6 +27,9 @@ FIX = "fix `mlflow.tracking_uri` in params.yaml (or MLFLOW_TRACKING_URI, which o
 SCHEMES = ("", "file", "sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks",
            "databricks-uc", "uc")  # the tracking-store schemes MLflow knows
 SQLITE_HEADER = b"SQLite format 3\x00"
+EXPERIMENT_KIND = "mlflow.experimentKind"  # the tag MLflow 3's UI reads (no Python constant)
+MODEL_TRAINING = "custom_model_development"  # its "Machine learning" kind: the runs, not traces
+MLFLOW_DIGEST_CHARS = 36  # the longest dataset digest an MLflow store keeps
 
 
 def tracking_uri(configured: str | None) -> str:
@@ -42,9 +47,19 @@ def start(uri: str, experiment: str) -> None:
     logging.getLogger("alembic").setLevel(logging.WARNING)
     try:
         mlflow.set_tracking_uri(uri)
-        mlflow.set_experiment(experiment)
+        mark_model_training(uri, mlflow.set_experiment(experiment).experiment_id)
     except (mlflow.exceptions.MlflowException, SQLAlchemyError, OSError) as err:
         raise SpecstopError(f"MLflow tracking store {uri}: {first_line(err)}; {FIX}") from err
+
+
+def mark_model_training(uri: str, experiment_id: str) -> None:
+    """Tag the experiment as model training, so that MLflow 3's UI opens it on its runs rather
+    than on the GenAI traces; a kind already set (in the UI, say) is left as it is."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    if EXPERIMENT_KIND not in client.get_experiment(experiment_id).tags:
+        client.set_experiment_tag(experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
 
 
 def check(uri: str) -> None:
@@ -130,6 +145,21 @@ def log(params: dict | None = None, metrics: dict | None = None,
                             if isinstance(v, (int, float)) and v == v})
     if tags:
         mlflow.set_tags(tags)
+
+
+def log_dataset(name: str, digest: str, folder: Path, rows: int, context: str) -> None:
+    """An input of the active run, as the runs table's Dataset column shows it: `name`, the
+    data's `digest` (its first MLFLOW_DIGEST_CHARS), the folder as its local source, the row
+    count as its profile.  Metadata only: no row is read."""
+    import mlflow
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    dataset = Dataset(name=name, digest=digest[:MLFLOW_DIGEST_CHARS], source_type="local",
+                      source=json.dumps({"uri": str(Path(folder).resolve())}),
+                      profile=json.dumps({"num_rows": rows}))
+    mlflow.MlflowClient().log_inputs(mlflow.active_run().info.run_id, datasets=[
+        DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])])
 
 
 def log_figure(fig: Figure, name: str) -> None:

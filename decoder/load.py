@@ -208,6 +208,39 @@ def chat_text(tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:
                                          add_generation_prompt=True, tokenize=False)
 
 
+USER_SENTINEL = "SPECSTOP-USER-MESSAGE"  # a user message no template alters or repeats
+
+
+def user_turn_prefix(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The chat template's text before a user message (with the system turn the template adds):
+    what a chat model continues by writing a user request."""
+    return _around_user_message(tokenizer)[0]
+
+
+def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids that end a user turn: the special token the template puts after the message
+    (e.g. `<|im_end|>`, `<|eot_id|>`), and the eos."""
+    after = tokenizer(_around_user_message(tokenizer)[1], add_special_tokens=False)["input_ids"]
+    ids = after[:1] if after and after[0] in tokenizer.all_special_ids else []
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    if not ids:
+        raise SpecstopError("the target has neither an end-of-turn token nor an eos")
+    return list(dict.fromkeys(ids))
+
+
+def _around_user_message(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:
+    """(before, after) a user message in the chat template's rendering of it."""
+    if not tokenizer.chat_template:
+        raise SpecstopError("the target has no chat template: it cannot write user requests")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": USER_SENTINEL}],
+                                         tokenize=False)
+    if text.count(USER_SENTINEL) != 1:
+        raise SpecstopError("the target's chat template does not show a user message verbatim")
+    before, after = text.split(USER_SENTINEL)
+    return before, after
+
+
 def check_same_tokenizer(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase,
                          target_name: str, draft_name: str) -> None:
     """Refuse a draft/target pair whose tokenizers map text to different ids."""

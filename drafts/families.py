@@ -88,6 +88,32 @@ def prune_head(model: nn.Module, vocab_ids: torch.Tensor) -> nn.Module:
     return model
 
 
+class VocabMaskedHead(nn.Module):
+    """A pruned output layer whose logits are scattered into the full vocabulary, -inf
+    elsewhere: a plain causal LM with it gives the pruned draft's distribution to callers that
+    expect full-vocabulary logits (transformers' assisted generation)."""
+
+    def __init__(self, pruned: nn.Linear, vocab_ids: torch.Tensor, vocab_size: int):
+        super().__init__()
+        self.pruned = pruned
+        self.vocab_size = vocab_size
+        self.register_buffer("vocab_ids", vocab_ids.to(pruned.weight.device), persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        kept = self.pruned(hidden)
+        full = kept.new_full((*kept.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.vocab_ids, kept)
+
+
+def mask_vocabulary(model: nn.Module, vocab_ids: torch.Tensor) -> nn.Module:
+    """Give a causal LM full-vocabulary logits that are -inf outside `vocab_ids` (its output
+    layer computes only those rows)."""
+    weight = model.get_output_embeddings().weight
+    model.lm_head = VocabMaskedHead(pruned_head(weight, vocab_ids), vocab_ids, weight.shape[0])
+    model.config.tie_word_embeddings = False
+    return model
+
+
 def most_frequent_tokens(counts: torch.Tensor, size: int, always: list[int]) -> torch.Tensor:
     """The `size` most frequent token ids (ascending), always including `always` (e.g. EOS)."""
     if size <= 0 or size >= counts.shape[0]:

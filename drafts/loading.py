@@ -18,7 +18,7 @@ from specstop.decoder.load import (LoadedModel, check_same_tokenizer, load_model
                                    resolve_dtype)
 from specstop.decoder.runtime import Runtime
 
-from .families import prune_head, truncated_draft
+from .families import mask_vocabulary, prune_head, truncated_draft
 from .store import DRAFT_META_FILE, load_feature_head, read_meta
 
 
@@ -58,15 +58,51 @@ def _load_drafter(draft: str, target: LoadedModel, dtype: torch.dtype, device: t
     if meta is not None and meta["family"] == "feature":
         head = load_feature_head(Path(draft), target.model, meta)
         return FeatureDrafter(KVModel(head.model, vocab_size=vocab, vocab_ids=head.vocab_ids))
+    model, ids = _load_plain(draft, target.tokenizer, target.source, dtype, device, cache_dir)
+    model = model if ids is None else prune_head(model, ids)
+    return ModelDrafter(KVModel(model, vocab_size=vocab, vocab_ids=ids))
+
+
+def _load_plain(draft: str, tokenizer, target_name: str, dtype: torch.dtype,
+                device: torch.device, cache_dir: Path) -> tuple[torch.nn.Module,
+                                                                torch.Tensor | None]:
+    """A plain causal-LM draft with the target's tokenizer, and its pruned vocabulary (None:
+    the full one) from the folder's draft metadata."""
+    meta = read_meta(Path(draft)) if Path(draft).is_dir() else None
     other = load_model(draft, dtype, device, cache_dir)
-    check_same_tokenizer(target.tokenizer, other.tokenizer, target.source, draft)
+    check_same_tokenizer(tokenizer, other.tokenizer, target_name, draft)
     ids = None if meta is None or meta["vocab_ids"] is None else torch.tensor(meta["vocab_ids"])
     rows = other.model.config.vocab_size
     if ids is not None and int(ids.max()) >= rows:
         raise SpecstopError(f"{Path(draft) / DRAFT_META_FILE}: vocab_ids name token {int(ids.max())}, "
                             f"beyond the draft's vocabulary of {rows}")
-    model = other.model if ids is None else prune_head(other.model, ids)
-    return ModelDrafter(KVModel(model, vocab_size=vocab, vocab_ids=ids))
+    return other.model, ids
+
+
+def plain_draft_pair(draft: str, runtime: Runtime,
+                     cache_dir: Path) -> tuple[Drafter, torch.nn.Module]:
+    """One plain draft (a model, a folder or `layers:N`) loaded twice with one distribution:
+    specstop's drafter (pruned head) and a causal LM for transformers whose logits are -inf
+    outside the pruned vocabulary."""
+    target = runtime.target
+    vocab = target.model.config.vocab_size
+    if draft.startswith(TRUNCATED_PREFIX):
+        layers = int(draft.removeprefix(TRUNCATED_PREFIX))
+        return (ModelDrafter(KVModel(truncated_draft(target.model, layers), vocab_size=vocab)),
+                truncated_draft(target.model, layers))
+    model, ids = _load_plain(draft, runtime.tokenizer, "target", target.dtype, target.device,
+                             cache_dir)
+    drafter = ModelDrafter(KVModel(model if ids is None else prune_head(model, ids),
+                                   vocab_size=vocab, vocab_ids=ids))
+    assistant, _ = _load_plain(draft, runtime.tokenizer, "target", target.dtype, target.device,
+                               cache_dir)
+    return drafter, assistant if ids is None else mask_vocabulary(assistant, ids)
+
+
+def is_plain_draft(draft: str) -> bool:
+    """A draft transformers can drive: any causal LM or `layers:N`, not a feature head."""
+    meta = read_meta(Path(draft)) if Path(draft).is_dir() else None
+    return meta is None or meta["family"] != "feature"
 
 
 def runtime_from(models: ModelsConfig, costs: CostsConfig, need_draft: bool) -> Runtime:

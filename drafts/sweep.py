@@ -26,7 +26,7 @@ from specstop.common.errors import SpecstopError
 from specstop.common.files import resume_or_set_aside, write_atomic, write_json
 from specstop.common.params import (DraftConfig, DraftSpec, DraftTrainConfig, ModelsConfig,
                                     TrackingStore)
-from specstop.common.tracking import check, tracking_uri
+from specstop.common.tracking import check, mark_model_training, tracking_uri
 from specstop.decoder.costs import VerifyCosts, measure_verify_costs
 from specstop.decoder.load import cpu_has_bf16, load_model, resolve_device, resolve_dtype
 from specstop.decoder.loop import DecodeConfig
@@ -152,6 +152,7 @@ def _mlflow_logger(tracking: TrackingStore, spec: DraftSpec, folder: Path):
         run_id = None  # the store was reset: log the resumed training as a new run
     logger = MLFlowLogger(experiment_name=tracking.experiment,
                           tracking_uri=uri, run_name=spec.name, run_id=run_id)
+    mark_model_training(uri, logger.experiment_id)
     folder.mkdir(parents=True, exist_ok=True)
     logger.log_hyperparams({"family": spec.family, "layers": spec.layers,
                             "vocab": spec.vocab or "full"} if run_id is None else {})

@@ -2,7 +2,8 @@
 
 The published target-initialized rule (`ti-mcsd --lossy`) does not reproduce the target's
 output, so its speed is reported beside what it costs in quality: exact match against `ar`,
-the mean target log-probability per generated token and, only when the user opts in to
+the target's probability gap where an output parts from `ar`'s, the mean target
+log-probability per generated token and, only when the user opts in to
 executing generated code, HumanEval pass@1 (each program in its own process, with a time limit
 and an address-space limit).
 """
@@ -32,6 +33,22 @@ def mean_target_logprob(target: KVModel, prompt: torch.Tensor, tokens: list[int]
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     picked = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])
     return float(picked.mean())
+
+
+def divergence_gap(target: KVModel, prompt: torch.Tensor, reference: list[int],
+                   tokens: list[int]) -> float | None:
+    """Where `tokens` parts from `reference` (ar's output), the target's top-1 minus top-2
+    probability after their common prefix: a near-tie (a flip in reduced precision) is close to
+    0, a real error is not.  None when they do not part (one may stop earlier at EOS)."""
+    common = next((k for k, (a, b) in enumerate(zip(reference, tokens)) if a != b), None)
+    if common is None:
+        return None
+    ids = torch.cat([prompt, torch.tensor(reference[:common], dtype=torch.long)])
+    target.reset()
+    logits = target.extend(ids, torch.arange(ids.shape[0]), None)[-1]
+    target.reset()
+    top = torch.softmax(logits.float(), dim=-1).topk(2).values
+    return float(top[0] - top[1])
 
 
 def extract_code(response: str) -> str:

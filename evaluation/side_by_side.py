@@ -11,10 +11,12 @@ from tqdm import tqdm
 
 from specstop.decoder.loop import DecodeConfig, DecodeStats, Generation
 from specstop.decoder.policy import StoppingPolicy
-from .quality import extract_code, humaneval_passed, mean_target_logprob
 from specstop.decoder.runtime import Runtime
-
 from specstop.prompts.sources import humaneval_request
+
+from .quality import divergence_gap, extract_code, humaneval_passed, mean_target_logprob
+
+WARM_UP_TOKENS = 32  # the warm-up decodes read the first prompt's first tokens
 
 
 @dataclass(frozen=True)
@@ -23,7 +25,6 @@ class Method:
 
     name: str
     decode: Callable[[torch.Tensor, int], Generation]
-    warm_up: bool = False  # decode once before the timed runs (the first method always is)
 
 
 def decoder_method(runtime: Runtime, config: DecodeConfig, policy: StoppingPolicy | None,
@@ -42,7 +43,16 @@ class MethodResult:
     logprobs: list[float] = field(default_factory=list)  # mean target log-prob per token
     outputs: list[list[int]] = field(default_factory=list)
     accepted_per_round: list[int] = field(default_factory=list)
+    divergence_gaps: list[float | None] = field(default_factory=list)  # per prompt, see quality
     passed: int = 0  # HumanEval problems solved (only with --execute-code)
+
+    def add(self, generation: Generation, reference: list[int]) -> None:
+        """One prompt's decode, compared with the reference method's output."""
+        self.identical.append(generation.tokens == reference)
+        self.outputs.append(generation.tokens)
+        self.per_prompt.append(generation.stats)
+        self.accepted_per_round += generation.stats.accepted_per_round
+        self.stats.add(generation.stats)
 
     @property
     def identical_to_ar(self) -> int:
@@ -72,31 +82,35 @@ def bench(runtime: Runtime, prompts: list[torch.Tensor], configs: list[DecodeCon
 
 def bench_methods(runtime: Runtime, prompts: list[torch.Tensor], methods: list[Method],
                   seed: int, progress: str | None = None) -> list[MethodResult]:
-    """Run every method on every prompt, interleaved so drift hits all methods alike (the
-    first method, `ar`, is the reference of `identical`); then score every output under the
-    target (outside the timed decode).  `progress`: a tqdm bar's label."""
+    """Every method on every prompt after one warm-up decode each; the order of the methods
+    rotates by one per prompt, so none always runs first or last and drift hits all alike.  The
+    first method (`ar`) is the reference of `identical` and of the divergence gaps.  Then every
+    output is scored under the target (outside the timed decodes).  `progress`: a tqdm label."""
     results = [MethodResult(m.name, DecodeStats()) for m in methods]
-    for i, method in enumerate(methods):
-        if i == 0 or method.warm_up:
-            method.decode(prompts[0], seed)
+    for method in methods:
+        method.decode(prompts[0][:WARM_UP_TOKENS], seed)
     bar = tqdm(total=len(prompts) * len(methods), desc=progress, unit="run",
                disable=progress is None)
-    for prompt in prompts:
-        reference = None
-        for method, result in zip(methods, results):
-            generation = method.decode(prompt, seed)
-            reference = generation.tokens if reference is None else reference
-            result.identical.append(generation.tokens == reference)
-            result.outputs.append(generation.tokens)
-            result.per_prompt.append(generation.stats)
-            result.accepted_per_round += generation.stats.accepted_per_round
-            result.stats.add(generation.stats)
+    for i, prompt in enumerate(prompts):
+        generations = {}
+        for k in rotated(len(methods), i):
+            generations[k] = methods[k].decode(prompt, seed)
             bar.update(1)
+        for k, result in enumerate(results):
+            result.add(generations[k], generations[0].tokens)
     bar.close()
     for result in results:
         result.logprobs = [mean_target_logprob(runtime.target, prompt, tokens)
                            for prompt, tokens in zip(prompts, result.outputs)]
+        result.divergence_gaps = [
+            divergence_gap(runtime.target, prompt, reference, tokens)
+            for prompt, reference, tokens in zip(prompts, results[0].outputs, result.outputs)]
     return results
+
+
+def rotated(n: int, shift: int) -> list[int]:
+    """0..n-1 starting at `shift` mod n."""
+    return [(shift + k) % n for k in range(n)]
 
 
 def score_humaneval(runtime: Runtime, results: list[MethodResult], problems: list[dict]) -> None:

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 MODEL_FILES = {"logistic": "logistic.json", "lightgbm": "lightgbm.txt", "mlp": "mlp.safetensors"}
 TRANSFORMERS_THRESHOLD = 0.4
+CONTEXTS = {"train": "training", "val": "validation"}  # MLflow dataset context of each split
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ def run(config: StopTrainConfig, store: TrackingStore) -> Report:
     for family in tqdm(config.families, desc="train", unit="family"):
         entries[family] = _family(family, dataset, bench, common)
     with tracking.run("baselines") as run_id:
+        _log_datasets(dataset, config, ("val",))  # tuned and scored on val only
         _log_baselines(entries, bench, common)
     for name in entries:
         if entries[name].model is None:
@@ -162,6 +164,7 @@ def _family(family: str, dataset: data.Dataset, bench: Bench, common: dict) -> E
     X, y, groups = dataset.train.examples(config.label)
     fit = fit_data(X, y, groups, config.class_weight, config.early_stop_fraction, config.seed)
     with tracking.run(family) as run_id:
+        _log_datasets(dataset, config, ("train", "val"))
         hp = config.hyperparameters(family)
         if config.search_trials > 0:
             hp = _search(family, fit, hp, config)
@@ -174,6 +177,14 @@ def _family(family: str, dataset: data.Dataset, bench: Bench, common: dict) -> E
         _log_figures(entry, bench)
         model.log_model(bench.X[bench.replay.level == 1][:3])
     return entry
+
+
+def _log_datasets(dataset: data.Dataset, config: StopTrainConfig, splits: tuple[str, ...]
+                  ) -> None:
+    """The runs table's Dataset column: each split the run used, e.g. `collect-train`."""
+    for split in splits:
+        tracking.log_dataset(f"{config.data.name}-{split}", dataset.digest, config.data,
+                             len(getattr(dataset, split).rows), CONTEXTS[split])
 
 
 def _score(name: str, model: StopModel, bench: Bench) -> Entry:

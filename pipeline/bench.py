@@ -1,8 +1,14 @@
-"""Stage `bench`: every method side by side on the held-out test prompts (`specstop.bench.run`)."""
+"""Stage `bench`: every method side by side on the held-out test prompts (`specstop.bench.run`),
+logged as one MLflow run linked to the registered model version (`specstop.bench.tracking`)."""
 
 from specstop.bench import run as bench
+from specstop.bench import tracking
 from specstop.common.params import Params
 
 
 def run(params: Params) -> None:
-    bench.run(params.bench, params.models, params.collect, params.costs)
+    store = params.mlflow.store("bench")
+    tracking.check_store(store)  # before the bench's work, not after
+    metrics = bench.run(params.bench, params.models, params.collect, params.costs)
+    tracking.log_bench(metrics, params.bench.metrics, params.bench.plots, params.export.metrics,
+                       store)

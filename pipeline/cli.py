@@ -62,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     work.add_argument("dir", type=Path, help="a new or empty folder")
     work.add_argument("--profile", default=None, help="a profile of params.yaml's `profiles`")
 
+    results = sub.add_parser("results", help="write the bench's table (bench.metrics) into the "
+                                             "README's results section")
+    results.add_argument("--readme", type=Path, default=Path("README.md"))
+
     bench = sub.add_parser("bench-decode", help="tokens/s of every method side by side")
     bench.add_argument("--methods", nargs="+", default=["ar", "sd", "mcsd", "ti-mcsd", "ti-mcsd-lossy"],
                        help="methods to compare; ti-mcsd-lossy is ti-mcsd --lossy")
@@ -87,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             _generate(args, with_flags(params, args, str(path)))
         elif args.command == "workspace":
             _workspace(args, raw)
+        elif args.command == "results":
+            _results(args, params)
         elif args.command == "bench-decode":
             _bench_decode(args, with_flags(params, args, str(path)))
     except SpecstopError as err:
@@ -129,6 +135,25 @@ def _workspace(args: argparse.Namespace, raw: dict) -> None:
     root = (args.params or DEFAULT_PARAMS).resolve().parent
     dest = make_workspace(root, args.dir, args.profile, raw)
     print(f"workspace {dest} ({args.profile or 'no'} profile): cd {dest} && dvc repro")
+
+
+def _results(args: argparse.Namespace, params: Params) -> None:
+    import json
+
+    from specstop.bench.report import update_readme
+    from specstop.common.files import require
+
+    path = require(params.bench.metrics, "bench")
+    try:
+        metrics = json.loads(path.read_text())
+    except ValueError as err:
+        raise SpecstopError(f"{path}: not valid JSON ({err})") from err
+    if "summary" not in metrics:
+        raise SpecstopError(f"{path}: no `summary` block (written by an older bench; re-run it)")
+    if not args.readme.is_file():
+        raise SpecstopError(f"{args.readme}: not found (give --readme)")
+    update_readme(args.readme, metrics)
+    print(f"{args.readme}: results section rewritten from {path}")
 
 
 def _bench_decode(args: argparse.Namespace, params: Params) -> None:

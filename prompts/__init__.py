@@ -1,3 +1,4 @@
-"""Prompt sets: sources (HumanEval, HF datasets, JSONL), de-duplicated train/val/test splits.
+"""Prompt sets: sources (HumanEval, HF datasets, JSONL, requests the target writes itself),
+de-duplicated train/val/test splits.
 
 Imports only `common`."""

@@ -1,33 +1,53 @@
-"""Stage `prompts`' work: read the sources, render each request, de-duplicate, split by prompt,
-write one Parquet file per split and a summary."""
+"""Stage `prompts`' work: read the sources (a magpie source through the target), render each
+request, de-duplicate, split by prompt, write one Parquet file per split (its sources
+interleaved) and a summary."""
 
 from __future__ import annotations
 
 from typing import Callable
 
+from specstop.common.errors import SpecstopError
 from specstop.common.params import PromptsConfig
 
-from .sources import parse_sources, read_source
-from .splits import SPLITS, check_fractions, split_prompts, summarise, write_split, write_summary
+from .self_written import Writer, read_self_written
+from .sources import SourceRequests, SourceSpec, parse_sources, read_source
+from .splits import (SPLITS, Prompt, check_fractions, interleave, split_prompts, summarise,
+                     write_split, write_summary)
 
 
-def build_prompts(config: PromptsConfig, render: Callable[[str], str]) -> None:
+def build_prompts(config: PromptsConfig, render: Callable[[str], str],
+                  writer: Writer | None = None) -> None:
     """Write `config.out`/{train,val,test}.parquet; `render` turns a request into the text the
-    target reads (its chat template)."""
+    target reads (its chat template), `writer` (the target) writes a magpie source's requests."""
     specs = parse_sources(config.sources)
     fractions = check_fractions(config.fractions)
-    sources = [read_source(spec) for spec in specs]
+    sources = [_read(spec, config, writer) for spec in specs]
     chosen = split_prompts(sources, fractions, config.seed)
     for split in SPLITS:
         write_split([{"prompt_id": p.prompt_id, "source": p.source, "request": p.request,
                       "text": render(p.request), "split": split}
-                     for p in chosen if p.split == split], config.out / f"{split}.parquet")
+                     for p in _interleaved([p for p in chosen if p.split == split])],
+                    config.out / f"{split}.parquet")
     summary = summarise(sources, chosen, config.seed, fractions)
     write_summary(summary, config.out / "summary.json")
     for name, counts in summary["sources"].items():
         print(_source_line(name, counts))
     total = ", ".join(f"{split} {n}" for split, n in summary["splits"].items())
     print(f"{len(chosen)} prompts ({total}) -> {config.out}")
+
+
+def _interleaved(prompts: list[Prompt]) -> list[Prompt]:
+    """A split's prompts, one of each source in turn: every prefix of the file (the part a
+    `max_prompts` cap keeps) mixes the sources."""
+    return [prompts[i] for i in interleave([p.source for p in prompts])]
+
+
+def _read(spec: SourceSpec, config: PromptsConfig, writer: Writer | None) -> SourceRequests:
+    if spec.sampling is None:
+        return read_source(spec)
+    if writer is None:
+        raise SpecstopError(f"{spec.describe()}: needs the target to write its requests")
+    return read_self_written(spec, config.out, config.seed, writer)
 
 
 def _source_line(name: str, counts: dict) -> str:

@@ -1,5 +1,7 @@
 """Prompt sources of the `prompts` stage: the embedded HumanEval set, local JSON / JSONL /
-Parquet files and `datasets.load_dataset` datasets, each read into request texts.
+Parquet files and `datasets.load_dataset` datasets, each read into request texts; and the
+embedded `magpie` source, whose requests the target writes itself (`self_written`; its sampling
+settings are checked here).
 
 A row that cannot make a request (not an object, a field missing or null, not a string, empty
 after strip) is skipped and counted by reason; a source that is missing, unreadable or has no
@@ -11,17 +13,34 @@ from __future__ import annotations
 import json
 import string
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from specstop.common.errors import SpecstopError, first_line
 
-EMBEDDED = ("humaneval",)
+MAGPIE = "magpie"  # requests the target writes from its chat template's user-turn prefix
+EMBEDDED = ("humaneval", MAGPIE)
 ORIGINS = ("embedded", "path", "dataset")
 ORIGIN_NAMES = {"embedded": "embedded set", "path": "file", "dataset": "dataset"}
-KEYS = {*ORIGINS, "name", "field", "template", "max_prompts", "config", "split", "data_files"}
+SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "batch_size"}  # magpie only
+KEYS = {*ORIGINS, *SAMPLING_KEYS, "name", "field", "template", "max_prompts", "config", "split",
+        "data_files"}
 FILE_TYPES = (".json", ".jsonl", ".parquet")
+MAGPIE_PROMPTS = 200  # requests a magpie source writes where max_prompts is absent or null
+MAX_NEW_TOKENS = 1024  # the most a magpie request may be sampled to
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the target writes a magpie source's requests.  Temperature 1 without top-k as in the
+    Magpie paper; top-p 0.95 rather than its 1.0, which trims the tail a 135M model's samples
+    derail into.  A sample not ended within `max_new_tokens` is skipped as truncated."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 0.95
+    batch_size: int = 16  # samples per generate call (one seed per batch)
 
 
 @dataclass(frozen=True)
@@ -37,6 +56,7 @@ class SourceSpec:
     config: str | None = None  # datasets: configuration name
     split: str = "train"  # datasets: split
     data_files: Any = None  # datasets: data_files
+    sampling: Sampling | None = None  # magpie: how the target writes the requests
 
     def describe(self) -> str:
         """How messages name the source: its file or dataset, and its field or template."""
@@ -90,12 +110,17 @@ def parse_source(raw: Any, index: int) -> SourceSpec:
         fields, template = (), None
     else:
         fields, template = _fields(raw, where)
+    magpie = kind == "embedded" and location == MAGPIE
+    extra = sorted(SAMPLING_KEYS & set(raw))
+    if extra and not magpie:
+        raise SpecstopError(f"{where}: {extra[0]} is a key of `embedded: {MAGPIE}` only")
+    max_prompts = _max_prompts(raw.get("max_prompts"), where)
     return SourceSpec(
         name=str(raw.get("name") or (Path(location).stem if kind == "path" else location)),
         kind=kind, location=location, fields=fields, template=template,
-        max_prompts=_max_prompts(raw.get("max_prompts"), where),
+        max_prompts=(max_prompts or MAGPIE_PROMPTS) if magpie else max_prompts,
         config=raw.get("config"), split=str(raw.get("split", "train")),
-        data_files=raw.get("data_files"))
+        data_files=raw.get("data_files"), sampling=_sampling(raw, where) if magpie else None)
 
 
 def _fields(raw: dict, where: str) -> tuple[tuple[str, ...], str | None]:
@@ -120,13 +145,44 @@ def _fields(raw: dict, where: str) -> tuple[tuple[str, ...], str | None]:
 def _max_prompts(value: Any, where: str) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not _is_int(value) or value < 1:
         raise SpecstopError(f"{where}: max_prompts must be a positive integer or null")
     return value
 
 
+def _sampling(raw: dict, where: str) -> Sampling:
+    """A magpie source's sampling settings (the defaults of `Sampling` where absent)."""
+    values = {**asdict(Sampling()), **{key: raw[key] for key in SAMPLING_KEYS & set(raw)}}
+    for key, (ok, expected) in SAMPLING_CHECKS.items():
+        if not ok(values[key]):
+            raise SpecstopError(f"{where}: {key} must be {expected}, got {values[key]!r}")
+    return Sampling(**{**values, "temperature": float(values["temperature"]),
+                       "top_p": float(values["top_p"])})
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+SAMPLING_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "max_new_tokens": (lambda v: _is_int(v) and 1 <= v <= MAX_NEW_TOKENS,
+                       f"an integer in [1, {MAX_NEW_TOKENS}]"),
+    "temperature": (lambda v: _is_number(v) and 1e-3 <= v <= 100, "a number in [0.001, 100]"),
+    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "batch_size": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
+}
+
+
 def read_source(spec: SourceSpec) -> SourceRequests:
-    """Every usable request of a source; SpecstopError when there is none."""
+    """Every usable request of a source; SpecstopError when there is none.  A magpie source
+    needs the target: `self_written.read_self_written` reads it."""
+    if spec.sampling is not None:
+        raise SpecstopError(f"{spec.describe()}: the target writes these requests "
+                            "(read them with `self_written.read_self_written`)")
     if spec.kind == "embedded":
         return SourceRequests(spec, *_humaneval())
     skipped: Counter = Counter()

@@ -111,12 +111,26 @@ def write_split(rows: list[dict[str, str]], path: Path) -> None:
     write_atomic(path, lambda tmp: pq.write_table(table, tmp))
 
 
-def read_split(prompts_dir: Path, split: str) -> dict[str, list[str]]:
-    """One split's `prompt_id` and `text` (chat-rendered) columns, in file order."""
+def interleave(sources: list[str]) -> list[int]:
+    """Indices of the rows, one of each source in turn (each source in its row order)."""
+    by_source: dict[str, list[int]] = {}
+    for i, source in enumerate(sources):
+        by_source.setdefault(source, []).append(i)
+    queues = list(by_source.values())
+    return [q[k] for k in range(max(map(len, queues), default=0)) for q in queues if k < len(q)]
+
+
+def read_split(prompts_dir: Path, split: str,
+               columns: tuple[str, ...] = ("prompt_id", "text")) -> dict[str, list[str]]:
+    """Some columns of one split (by default `prompt_id` and the chat-rendered `text`), in file
+    order."""
     path = Path(prompts_dir) / f"{split}.parquet"
     if not path.is_file():
         raise SpecstopError(f"{path}: prompts not found (run `specstop prompts` first)")
-    return pq.read_table(path, columns=["prompt_id", "text"]).to_pydict()
+    missing = set(columns) - set(pq.read_schema(path).names)
+    if missing:
+        raise SpecstopError(f"{path}: no column '{sorted(missing)[0]}' (re-run `specstop prompts`)")
+    return pq.read_table(path, columns=list(columns)).to_pydict()
 
 
 def write_summary(summary: dict, path: Path) -> None:

@@ -1,56 +1,119 @@
 """Stage `bench` end to end on tiny random models (draft = target, so every drafted token is
-accepted), transformers' assisted generation included: metrics keys, losslessness, files."""
+accepted), transformers' peers included: metrics keys, losslessness, summary, files; and the
+paired bootstrap ratio on synthetic timings."""
 
 from __future__ import annotations
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
-from specstop.common.params import validate
-from specstop.pipeline import bench
+from specstop.bench import report as bench_report
+from specstop.bench import run as bench
+from specstop.common.errors import SpecstopError
+from specstop.common.params import Params, validate
+from specstop.evaluation.intervals import speed_ratio
 
 from stop_models import write_trained_outputs
 
 CONTRACT = {"tokens_per_s", "speedup_vs_ar", "mean_accepted", "acceptance_rate", "target_calls",
             "draft_steps"}
-METHODS = ["ar", "sd", "mcsd", "ti-mcsd", "ti-mcsd+confidence", "ti-mcsd+mlp",
-           "ti-mcsd+stop_model", "ti-mcsd-lossy+stop_model", "hf-assisted"]
+METHODS = ["ar", "ar-aa", "sd", "mcsd", "ti-mcsd", "ti-mcsd+confidence", "ti-mcsd+mlp",
+           "ti-mcsd+stop_model", "ti-mcsd-lossy+stop_model", "sd-compact", "hf-assisted",
+           "hf-assisted-static", "hf-prompt-lookup"]
+SAMPLED = ["ar", "sd", "ti-mcsd+stop_model", "hf-assisted-static"]
+
+
+def run_bench(params: Params) -> dict:
+    return bench.run(params.bench, params.models, params.collect, params.costs)
 
 
 def test_bench_measures_every_method_side_by_side(tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_trained_outputs(tmp_path, families=("logistic", "mlp"))
     Path("data/prompts").mkdir(parents=True)
-    pq.write_table(pa.table({"prompt_id": ["a", "b", "c"], "text": ["hi", "hello there", "x"]}),
+    pq.write_table(pa.table({"prompt_id": ["a", "b", "c", "d"],
+                             "text": ["hi", "x", "hello there", "y"],
+                             "source": ["code", "code", "chat", "chat"]}),
                    "data/prompts/test.parquet")
-    tiny = str(tiny_model_dir)
-    bench.run(validate({"models": {"target": tiny, "draft": tiny, "dtype": "float32", "device": "cpu"},
-               "costs": {"path": "absent.json"},
-               "collect": {"ti_width": 2, "max_depth": 3, "mcsd_branching": [2]},
-               "bench": {"prompts": 2, "max_new_tokens": 6, "temperature": 0.8,
-                         "assistant_draft": tiny}}))
-    metrics = json.loads(Path("metrics/bench.json").read_text())
+    tiny, peer = str(tiny_model_dir), shutil.copytree(tiny_model_dir, tmp_path / "peer")
+    metrics = run_bench(validate(
+        {"models": {"target": tiny, "draft": tiny, "dtype": "float32", "device": "cpu"},
+         "costs": {"path": "absent.json"},
+         "collect": {"ti_width": 2, "max_depth": 3, "mcsd_branching": [2]},
+         "bench": {"prompts": 3, "max_new_tokens": 6, "temperature": 0.8,
+                   "assistant_draft": str(peer), "sampling_methods": SAMPLED[1:],
+                   "bootstrap_resamples": 200}}))
+    assert metrics == json.loads(Path("metrics/bench.json").read_text())
+    assert list(bench_report.methods(metrics)) == METHODS
+    assert list(metrics["sampling"]) == SAMPLED
     for name in METHODS:
-        assert CONTRACT | {"greedy_identical_to_ar"} <= set(metrics[name]), name
-        assert CONTRACT <= set(metrics["sampling"][name]), name
+        assert CONTRACT | {"greedy_identical_to_ar", "speedup_vs_ar_ci95"} <= set(metrics[name])
         if "lossy" not in name:
             assert metrics[name]["greedy_identical_to_ar"], name
-    exported = metrics["ti-mcsd+stop_model"]
-    assert {"speedup_vs_hf_assisted", "speedup_vs_best_static_sd", "simulated_speedup",
-            "measured_over_simulated"} <= set(exported)
+            assert metrics[name]["max_divergence_gap"] is None, name
+    for name in SAMPLED:
+        assert CONTRACT <= set(metrics["sampling"][name]), name
+    summary = metrics["summary"]
+    assert summary["winner"] == "ti-mcsd+stop_model" and summary["prompts"] == 3
+    assert summary["domains"] == ["chat", "code"]  # one from each source in turn
+    assert summary["prompts_per_domain"] == {"chat": 1, "code": 2}
+    assert summary["best_static"] in ("sd", "sd-compact", "mcsd", "ti-mcsd")
+    for key in ("winner_vs_best_static", "winner_vs_ar", "winner_vs_hf_assisted",
+                "sd_vs_hf_assisted_same_draft", "aa_noise"):
+        low, high = summary[key]["ci95"]
+        assert low <= summary[key]["ratio"] <= high, key
+    assert summary["winner_vs_ar"]["ratio"] == metrics["ti-mcsd+stop_model"]["speedup_vs_ar"]
+    best = metrics[summary["best_static"]]["tokens_per_s"]
+    assert summary["winner_vs_best_static"]["ratio"] == pytest.approx(
+        metrics["ti-mcsd+stop_model"]["tokens_per_s"] / best)
+    peers = metrics["setup"]["peers"]
+    assert peers["same_draft_sd"] == "sd-compact" and peers["draft"] == str(peer)
+    assert peers["hf-assisted"]["num_assistant_tokens"] == 20
+    assert peers["hf-assisted-static"] == {"num_assistant_tokens": 2,
+                                           "num_assistant_tokens_schedule": "constant",
+                                           "assistant_confidence_threshold": 0.0}
+    assert peers["hf-prompt-lookup"]["prompt_lookup_num_tokens"] == 10
+    assert metrics["hf-assisted-static"]["mean_accepted"] > 1  # the draft is the target
     assert metrics["ti-mcsd"]["mean_accepted"] > 1 and metrics["ar"]["speedup_vs_ar"] == 1
-    assert metrics["setup"]["hf_assisted"]["num_assistant_tokens"] == 20
     assert metrics["setup"]["sd_gamma"] == metrics["setup"]["static_gamma"] == 2
     assert metrics["latency"]["decision_ms"]["stop_model"] > 0
     assert set(metrics["latency"]["draft_step_ms"]) == {"1", "2"}
     with open("metrics/bench_plots/per_prompt.csv") as f:
-        assert len(list(csv.DictReader(f))) == 2 * len(METHODS) * 2
+        assert len(list(csv.DictReader(f))) == 3 * (len(METHODS) + len(SAMPLED))
     for name in ("speedup/greedy.csv", "speedup/sampling.csv", "accepted_length/greedy.csv",
                  "speedup.png", "accepted_length.png"):
         assert (Path("metrics/bench_plots") / name).is_file(), name
     table = Path("metrics/bench_plots/results.md").read_text().splitlines()
-    assert [row.split(" | ")[0] for row in table[4:]] == [f"| `{name}`" for name in METHODS]
+    assert [row.split(" | ")[0] for row in table[4:4 + len(METHODS)]] == \
+        [f"| `{name}`" for name in METHODS]
+
+
+def test_an_unknown_sampling_method_is_refused_before_the_work(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_trained_outputs(tmp_path, families=("logistic", "mlp"))
+    with pytest.raises(SpecstopError, match=r"^bench\.sampling_methods: unknown method 'sdd' "):
+        run_bench(validate({"models": {"target": "absent", "draft": "absent"},
+                            "bench": {"sampling_methods": ["sdd"]}}))
+
+
+def test_the_paired_bootstrap_recovers_a_known_ratio():
+    rng = np.random.default_rng(0)
+    seconds = rng.uniform(2, 9, 30)  # prompts of very different lengths
+    tokens = [128] * 30
+    exact = speed_ratio(tokens, seconds / 1.25, tokens, seconds)
+    assert exact.ratio == pytest.approx(1.25) and exact.ci95 == pytest.approx((1.25, 1.25))
+    noisy = speed_ratio(tokens, seconds / 1.25 * rng.lognormal(0, 0.05, 30), tokens, seconds,
+                        resamples=2000)
+    low, high = noisy.ci95
+    assert 1.2 < low < noisy.ratio < high < 1.3
+    unpaired = speed_ratio(tokens, rng.permutation(seconds) / 1.25, tokens, seconds,
+                           resamples=2000)
+    assert unpaired.ci95[1] - unpaired.ci95[0] > 3 * (high - low)  # pairing is what narrows it
+    assert speed_ratio([10], [1.0], [10], [2.0]).as_dict() == {"ratio": 2.0, "ci95": None}

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from specstop.drafts.families import build_compact, build_feature_head, most_frequent_tokens
 from specstop.drafts.store import read_meta, save_draft
@@ -14,7 +15,7 @@ from specstop.decoder.drafter import FeatureDrafter, ModelDrafter
 from specstop.common.errors import SpecstopError
 from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, generate
-from specstop.drafts.loading import load_runtime
+from specstop.drafts.loading import load_runtime, plain_draft_pair
 from specstop.drafts.corpus import Sequence, token_counts
 from specstop.common.params import DraftTrainConfig
 from specstop.drafts.distill import DraftDistiller, collate, fit, read_curve, resolve_precision
@@ -122,6 +123,35 @@ def test_saved_drafts_load_through_the_runtime(tiny_model_dir: Path, tmp_path: P
         assert loaded.drafter.lm.vocab_ids.tolist() == vocab_ids.tolist()
         out = loaded.generate(prompt, DecodeConfig(method="sd", max_depth=3, max_new_tokens=12))
         assert out.tokens == ar
+
+
+def test_the_masked_assistant_has_the_compact_drafts_distribution(tiny_model_dir: Path,
+                                                                  tmp_path: Path):
+    """transformers' assistant (full-vocabulary logits, -inf outside the pruned vocabulary)
+    gives every next token the probability specstop's pruned compact draft gives it."""
+    runtime = load_runtime(str(tiny_model_dir), None, "float32", "cpu")
+    model, tokenizer = runtime.target.model, runtime.tokenizer
+    vocab_ids = most_frequent_tokens(torch.randperm(model.config.vocab_size), 300,
+                                     [tokenizer.eos_token_id])
+    draft = build_compact(model, 1, vocab_ids).eval()
+    with torch.no_grad():  # a head that is not the target's rows, as after distillation
+        draft.lm_head.weight.mul_(3.0).add_(0.01)
+    save_draft(tmp_path / "compact", draft, "compact", model, vocab_ids, {}, tokenizer=tokenizer)
+    drafter, assistant = plain_draft_pair(str(tmp_path / "compact"), runtime, tmp_path)
+    ids = runtime.encode("def add(a, b):")
+    with torch.no_grad():
+        hf = torch.softmax(assistant(input_ids=ids[None]).logits[0], dim=-1)
+        drafter.lm.reset()
+        ours = torch.softmax(drafter.lm.extend(ids, torch.arange(ids.shape[0]), None), dim=-1)
+    outside = torch.ones(model.config.vocab_size, dtype=torch.bool)
+    outside[vocab_ids] = False
+    assert hf.shape == ours.shape == (ids.shape[0], model.config.vocab_size)
+    assert float(hf[:, outside].max()) == 0.0
+    torch.testing.assert_close(hf, ours, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():  # the folder as a plain LM: its untrained rows take probability
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "compact").eval()
+        unmasked = torch.softmax(plain(input_ids=ids[None]).logits[0], dim=-1)
+    assert float(unmasked[:, outside].sum(-1).min()) > 0.1
 
 
 def test_a_head_for_another_target_is_refused(tiny_model_dir: Path, tmp_path: Path):

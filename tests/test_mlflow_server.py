@@ -83,6 +83,12 @@ def test_runs_are_served_by_mlflow_server(tmp_path, monkeypatch):
             <= set(metrics)
         summary = json.loads((tmp_path / "train" / "summary.json").read_text())
         assert summary["families"]["lightgbm"]["run_id"] == by_name["lightgbm"]["info"]["run_id"]
+        tags = {t["key"]: t["value"] for t in experiment.get("tags", [])}
+        assert tags.get("mlflow.experimentKind") == "custom_model_development"  # the runs first
+        inputs = by_name["lightgbm"]["inputs"]["dataset_inputs"]  # the Dataset column
+        assert {i["dataset"]["name"]: i["dataset"]["digest"] for i in inputs} == \
+            {"collect-train": summary["dataset_digest"][:36],
+             "collect-val": summary["dataset_digest"][:36]}
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:

@@ -44,5 +44,5 @@ def test_sections_are_frozen_and_unknown_keys_name_the_known_ones():
     with pytest.raises(Exception):
         params.train.seed = 3  # a stage cannot change what the file said
     with pytest.raises(SpecstopError, match=r"p\.yaml: bench\.promtps: unknown key \(known: "
-                                            r"assistant_draft, draft_metrics, export"):
+                                            r"assistant_draft, bootstrap_resamples, draft_metrics, export"):
         validate({"bench": {"promtps": 3}}, "p.yaml")
