@@ -47,7 +47,8 @@ def write(inputs: Inputs, setup: dict, latency: dict, path: Path, folder: Path) 
     """Write every output; return bench.json's content."""
     greedy = _mode(inputs, "greedy")
     summary = _summary(inputs, greedy)
-    metrics = {**greedy, "sampling": _mode(inputs, "sampling"), "setup": setup,
+    sampling = _mode(inputs, "sampling") if "sampling" in inputs.results else {}
+    metrics = {**greedy, "sampling": sampling, "setup": setup,
                "latency": latency, "summary": summary, "targets": _targets(greedy, summary)}
     write_json(path, metrics)
     _per_prompt_csv(inputs, folder / "per_prompt.csv")
@@ -102,17 +103,20 @@ def _method(result: MethodResult, n: int, greedy: bool) -> dict:
 
 def _summary(inputs: Inputs, greedy: dict) -> dict:
     """The claims the stage makes, each a paired ratio with its interval."""
-    static = [name for name in STATIC if name in greedy]
-    best_static = max(static, key=lambda name: greedy[name]["tokens_per_s"])
-    peers = [name for name in HF_ASSISTED if name in greedy]
-    best_peer = max(peers, key=lambda name: greedy[name]["tokens_per_s"]) if peers else None
+    def fastest(names: tuple[str, ...]) -> str | None:
+        present = [name for name in names if name in greedy]
+        return max(present, key=lambda name: greedy[name]["tokens_per_s"]) if present else None
+
+    best_static, best_peer = fastest(STATIC), fastest(HF_ASSISTED)
 
     def vs(a: str | None, b: str | None) -> dict | None:
-        return None if a is None or b is None else ratio(inputs, "greedy", a, b).as_dict()
+        if a not in greedy or b not in greedy:
+            return None
+        return ratio(inputs, "greedy", a, b).as_dict()
 
     lossless = [m for name, m in greedy.items() if "lossy" not in name]
     gaps = [m["max_divergence_gap"] for m in lossless if m["max_divergence_gap"] is not None]
-    return {"winner": EXPORTED, "best_static": best_static, "hf_assisted_best": best_peer,
+    return {"winner": EXPORTED if EXPORTED in greedy else None, "best_static": best_static, "hf_assisted_best": best_peer,
             "prompts": len(inputs.prompt_ids), "domains": sorted(set(inputs.domains)),
             "prompts_per_domain": dict(sorted(Counter(inputs.domains).items())),
             "max_divergence_gap": max(gaps) if gaps else None,
@@ -125,8 +129,7 @@ def _summary(inputs: Inputs, greedy: dict) -> dict:
 def _targets(greedy: dict, summary: dict) -> dict:
     """Checks against the best static method and transformers, decided by the interval: true
     when it lies above 1, false when below, null when it contains 1 (or is unknown)."""
-    exported = greedy[EXPORTED]
-    ratio_ = exported.get("measured_over_simulated")
+    ratio_ = greedy.get(EXPORTED, {}).get("measured_over_simulated")
     return {"winner_faster_than_best_static": _above_one(summary["winner_vs_best_static"]),
             "winner_faster_than_hf_assisted": _above_one(summary["winner_vs_hf_assisted"]),
             "simulated_within_15pct": None if ratio_ is None

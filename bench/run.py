@@ -78,7 +78,7 @@ def run(config: BenchConfig, models: ModelsConfig, collect: CollectConfig,
 
     logging.set_verbosity_error()  # assisted generation's own deprecation notices
     plan = _plan(config, models)  # every input of the earlier stages first, then the models
-    _check_sampling_methods(config, plan)
+    _check_method_names(config, plan)
     test = _test_split(config)
     require_draft(models.draft)
     runtime = runtime_from(models, costs, need_draft=True)
@@ -87,13 +87,15 @@ def run(config: BenchConfig, models: ModelsConfig, collect: CollectConfig,
     if peers is None:
         print(f"bench: no transformers assisted-generation peer: {plan.peer_note}")
     tree, results = _base_config(config, collect, 0.0), {}
-    for mode, temperature in (("greedy", 0.0), ("sampling", config.temperature)):
+    modes = {"greedy": (0.0, config.methods),
+             "sampling": (config.temperature, config.sampling_methods)}
+    for mode, (temperature, chosen) in modes.items():
         methods = _methods(runtime, _base_config(config, collect, temperature), plan, peers,
                            config.prompt_lookup_tokens)
-        if mode == "sampling":
-            methods = [m for m in methods if m.name in {"ar", *config.sampling_methods}]
-        results[mode] = bench_methods(runtime, prompts, methods, config.seed,
-                                      progress=f"bench {mode}")
+        methods = [m for m in methods if chosen is None or m.name in {"ar", *chosen}]
+        if len(methods) > 1 or mode == "greedy":
+            results[mode] = bench_methods(runtime, prompts, methods, config.seed,
+                                          progress=f"bench {mode}")
     setup = {"prompts": len(prompts), "max_new_tokens": config.max_new_tokens,
              "temperature": config.temperature, "target": models.target, "draft": models.draft,
              "dtype": str(runtime.target.dtype),
@@ -101,7 +103,8 @@ def run(config: BenchConfig, models: ModelsConfig, collect: CollectConfig,
              "ti_width": tree.ti_width, "max_depth": tree.max_depth,
              "sd_gamma": plan.sd_gamma, "static_gamma": plan.static_gamma,
              "confidence_threshold": plan.confidence, "winner": plan.winner.meta["family"],
-             "winner_rule": plan.winner.rule, "sampling_methods": config.sampling_methods,
+             "winner_rule": plan.winner.rule, "methods": config.methods,
+             "sampling_methods": config.sampling_methods,
              "order": "warm-up decode per method, then the method order rotated per prompt",
              "peers": _peer_setup(plan, peers, config.prompt_lookup_tokens)}
     latency = _latency(runtime, plan, tree.ti_width)
@@ -127,14 +130,15 @@ def _peer_setup(plan: Plan, peers: Peers | None, lookup_tokens: int) -> dict:
             "hf-assisted-static": static_settings(plan.peer_gamma), "hf-prompt-lookup": lookup}
 
 
-def _check_sampling_methods(config: BenchConfig, plan: Plan) -> None:
+def _check_method_names(config: BenchConfig, plan: Plan) -> None:
     known = ["ar", "ar-aa", "sd", SAME_DRAFT_SD, "mcsd", "ti-mcsd", "ti-mcsd+confidence",
              *[f"ti-mcsd+{f}" for f in plan.families], "ti-mcsd+stop_model",
              "ti-mcsd-lossy+stop_model", "hf-assisted", "hf-assisted-static", "hf-prompt-lookup"]
-    unknown = [name for name in config.sampling_methods if name not in known]
-    if unknown:
-        raise SpecstopError(f"bench.sampling_methods: unknown method '{unknown[0]}' "
-                            f"(known: {', '.join(known)})")
+    for key in ("methods", "sampling_methods"):
+        unknown = [name for name in getattr(config, key) or () if name not in known]
+        if unknown:
+            raise SpecstopError(f"bench.{key}: unknown method '{unknown[0]}' "
+                                f"(known: {', '.join(known)})")
 
 
 def _test_split(config: BenchConfig) -> dict[str, list[str]]:

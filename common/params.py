@@ -256,7 +256,8 @@ class BenchConfig(Section):
     temperature: Temperature = 0.7  # the sampling run (greedy always runs)
     top_p: UnitFraction = 1.0
     seed: Seed = 0
-    sampling_methods: list[str] = Field(  # the methods the sampling run times (greedy: all)
+    methods: list[str] | None = None  # the methods the greedy run times (ar always); None: all
+    sampling_methods: list[str] = Field(  # the methods the sampling run times; [] for none
         ["ar", "sd", "ti-mcsd", "ti-mcsd+stop_model", "hf-assisted-static"])
     prompt_lookup_tokens: PosInt = 10  # transformers' prompt_lookup_num_tokens
     bootstrap_resamples: PosInt = 10000  # paired bootstrap over prompts (95% intervals)

@@ -95,6 +95,26 @@ def test_bench_measures_every_method_side_by_side(tmp_path, tiny_model_dir, monk
         [f"| `{name}`" for name in METHODS]
 
 
+def test_a_chosen_few_methods_and_no_sampling_pass(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_trained_outputs(tmp_path, families=("logistic",))
+    Path("data/prompts").mkdir(parents=True)
+    pq.write_table(pa.table({"prompt_id": ["a", "b"], "text": ["hi", "x"],
+                             "source": ["code", "code"]}), "data/prompts/test.parquet")
+    tiny = str(tiny_model_dir)
+    metrics = run_bench(validate(
+        {"models": {"target": tiny, "draft": tiny, "dtype": "float32", "device": "cpu"},
+         "costs": {"path": "absent.json"}, "collect": {"ti_width": 2, "max_depth": 3},
+         "bench": {"max_new_tokens": 4, "methods": ["ti-mcsd", "hf-prompt-lookup"],
+                   "sampling_methods": [], "bootstrap_resamples": 100}}))
+    assert list(bench_report.methods(metrics)) == ["ar", "ti-mcsd", "hf-prompt-lookup"]
+    assert metrics["sampling"] == {}
+    summary = metrics["summary"]
+    assert summary["winner"] is None and summary["best_static"] == "ti-mcsd"
+    assert summary["winner_vs_ar"] is None and summary["aa_noise"] is None
+    assert (Path("metrics/bench_plots") / "speedup.png").is_file()
+
+
 def test_an_unknown_sampling_method_is_refused_before_the_work(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_trained_outputs(tmp_path, families=("logistic", "mlp"))
