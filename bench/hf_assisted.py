@@ -1,6 +1,6 @@
 """transformers' own speculative decoding as bench methods, the peers a user would otherwise pick:
 assisted generation (`generate(assistant_model=...)`) with the same draft, and therefore the
-same draft distribution, that specstop's `sd` runs beside it (`drafts.loading.plain_draft_pair`),
+same draft distribution, that specstop's `sd` runs beside it (`drafts.loading.plain_assistant`),
 in transformers' default dynamic setting and a static one; and prompt-lookup decoding (n-grams
 of the prompt as the draft, no draft model).
 

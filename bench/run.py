@@ -31,7 +31,8 @@ from specstop.decoder.loop import DecodeConfig
 from specstop.decoder.policy import ConfidenceThreshold, FixedDepth
 from specstop.decoder.runtime import Runtime, decode_config
 from specstop.decoder.stop_model import LearnedPolicy, load_stop_model
-from specstop.drafts.loading import is_plain_draft, plain_draft_pair, require_draft, runtime_from
+from specstop.drafts.loading import (is_plain_draft, plain_assistant, plain_drafter, require_draft,
+                                     runtime_from)
 from specstop.evaluation.side_by_side import Method, bench_methods, decoder_method
 from specstop.models.export import WINNER_FILE
 from specstop.prompts.splits import interleave, read_split
@@ -192,10 +193,11 @@ def _peer_draft(preferred: str | None, default: str) -> tuple[str | None, str]:
 def _peers(runtime: Runtime, plan: Plan, models: ModelsConfig) -> Peers | None:
     if plan.peer_draft is None:
         return None
-    drafter, assistant = plain_draft_pair(plan.peer_draft, runtime, models.target_cache)
+    assistant = plain_assistant(plan.peer_draft, runtime, models.target_cache)
     dynamic = dynamic_settings(assistant)
     if plan.peer_draft == models.draft:
         return Peers(runtime, assistant, dynamic, "sd")
+    drafter = plain_drafter(plan.peer_draft, runtime, models.target_cache)
     return Peers(dataclasses.replace(runtime, drafter=drafter), assistant, dynamic, SAME_DRAFT_SD)
 
 

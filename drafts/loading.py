@@ -32,12 +32,7 @@ def load_runtime(target: str, draft: str | None, dtype: str = "auto", device: st
     drafter = None
     if draft:
         if draft.startswith(TRUNCATED_PREFIX):
-            try:
-                layers = int(draft.removeprefix(TRUNCATED_PREFIX))
-            except ValueError:
-                raise SpecstopError(f"bad draft '{draft}': expected layers:N")
-            draft_model = truncated_draft(loaded.model, layers)
-            drafter = ModelDrafter(KVModel(draft_model, vocab_size=vocab))
+            drafter = _model_drafter(truncated_draft(loaded.model, _layers(draft)), None, vocab)
         else:
             drafter = _load_drafter(draft, loaded, dt, dev, cache_dir)
     table = None
@@ -50,6 +45,14 @@ def load_runtime(target: str, draft: str | None, dtype: str = "auto", device: st
     return Runtime(KVModel(loaded.model), drafter, loaded.tokenizer, table, limit)
 
 
+def _layers(draft: str) -> int:
+    """N of a `layers:N` draft."""
+    try:
+        return int(draft.removeprefix(TRUNCATED_PREFIX))
+    except ValueError:
+        raise SpecstopError(f"bad draft '{draft}': expected layers:N") from None
+
+
 def _load_drafter(draft: str, target: LoadedModel, dtype: torch.dtype, device: torch.device,
                   cache_dir: Path) -> Drafter:
     """A draft folder built by `specstop draft` (either family), or any LM with the same tokenizer."""
@@ -59,8 +62,13 @@ def _load_drafter(draft: str, target: LoadedModel, dtype: torch.dtype, device: t
         head = load_feature_head(Path(draft), target.model, meta)
         return FeatureDrafter(KVModel(head.model, vocab_size=vocab, vocab_ids=head.vocab_ids))
     model, ids = _load_plain(draft, target.tokenizer, target.source, dtype, device, cache_dir)
-    model = model if ids is None else prune_head(model, ids)
-    return ModelDrafter(KVModel(model, vocab_size=vocab, vocab_ids=ids))
+    return _model_drafter(model, ids, vocab)
+
+
+def _model_drafter(model: torch.nn.Module, ids: torch.Tensor | None, vocab: int) -> Drafter:
+    """A plain causal LM as specstop's drafter, its head pruned to `ids` (None: all rows)."""
+    return ModelDrafter(KVModel(model if ids is None else prune_head(model, ids),
+                                vocab_size=vocab, vocab_ids=ids))
 
 
 def _load_plain(draft: str, tokenizer, target_name: str, dtype: torch.dtype,
@@ -79,24 +87,27 @@ def _load_plain(draft: str, tokenizer, target_name: str, dtype: torch.dtype,
     return other.model, ids
 
 
-def plain_draft_pair(draft: str, runtime: Runtime,
-                     cache_dir: Path) -> tuple[Drafter, torch.nn.Module]:
-    """One plain draft (a model, a folder or `layers:N`) loaded twice with one distribution:
-    specstop's drafter (pruned head) and a causal LM for transformers whose logits are -inf
-    outside the pruned vocabulary."""
+def plain_drafter(draft: str, runtime: Runtime, cache_dir: Path) -> Drafter:
+    """specstop's drafter for a plain draft (a model, a folder or `layers:N`) beside the
+    runtime's target, with its pruned head."""
     target = runtime.target
     vocab = target.model.config.vocab_size
     if draft.startswith(TRUNCATED_PREFIX):
-        layers = int(draft.removeprefix(TRUNCATED_PREFIX))
-        return (ModelDrafter(KVModel(truncated_draft(target.model, layers), vocab_size=vocab)),
-                truncated_draft(target.model, layers))
+        return _model_drafter(truncated_draft(target.model, _layers(draft)), None, vocab)
     model, ids = _load_plain(draft, runtime.tokenizer, "target", target.dtype, target.device,
                              cache_dir)
-    drafter = ModelDrafter(KVModel(model if ids is None else prune_head(model, ids),
-                                   vocab_size=vocab, vocab_ids=ids))
-    assistant, _ = _load_plain(draft, runtime.tokenizer, "target", target.dtype, target.device,
-                               cache_dir)
-    return drafter, assistant if ids is None else mask_vocabulary(assistant, ids)
+    return _model_drafter(model, ids, vocab)
+
+
+def plain_assistant(draft: str, runtime: Runtime, cache_dir: Path) -> torch.nn.Module:
+    """The same plain draft as a causal LM for transformers, with the same distribution as
+    `plain_drafter`'s: full-vocabulary logits, -inf outside its pruned vocabulary."""
+    target = runtime.target
+    if draft.startswith(TRUNCATED_PREFIX):
+        return truncated_draft(target.model, _layers(draft))
+    model, ids = _load_plain(draft, runtime.tokenizer, "target", target.dtype, target.device,
+                             cache_dir)
+    return model if ids is None else mask_vocabulary(model, ids)
 
 
 def is_plain_draft(draft: str) -> bool:

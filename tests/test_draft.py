@@ -15,7 +15,7 @@ from specstop.decoder.drafter import FeatureDrafter, ModelDrafter
 from specstop.common.errors import SpecstopError
 from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, generate
-from specstop.drafts.loading import load_runtime, plain_draft_pair
+from specstop.drafts.loading import load_runtime, plain_assistant, plain_drafter
 from specstop.drafts.corpus import Sequence, token_counts
 from specstop.common.params import DraftTrainConfig
 from specstop.drafts.distill import DraftDistiller, collate, fit, read_curve, resolve_precision
@@ -137,7 +137,8 @@ def test_the_masked_assistant_has_the_compact_drafts_distribution(tiny_model_dir
     with torch.no_grad():  # a head that is not the target's rows, as after distillation
         draft.lm_head.weight.mul_(3.0).add_(0.01)
     save_draft(tmp_path / "compact", draft, "compact", model, vocab_ids, {}, tokenizer=tokenizer)
-    drafter, assistant = plain_draft_pair(str(tmp_path / "compact"), runtime, tmp_path)
+    drafter = plain_drafter(str(tmp_path / "compact"), runtime, tmp_path)
+    assistant = plain_assistant(str(tmp_path / "compact"), runtime, tmp_path)
     ids = runtime.encode("def add(a, b):")
     with torch.no_grad():
         hf = torch.softmax(assistant(input_ids=ids[None]).logits[0], dim=-1)

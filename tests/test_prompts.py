@@ -125,6 +125,14 @@ def test_splits_are_disjoint_sized_and_seeded():
     assert split_of(requests, seed=1) != first
 
 
+def test_interleave_takes_each_source_in_turn_so_every_prefix_mixes_them():
+    sources = ["code", "code", "code", "code", "chat", "chat", "math"]
+    order = prompt_splits.interleave(sources)
+    assert order == [0, 4, 6, 1, 5, 2, 3]
+    assert [sources[i] for i in order[:3]] == ["code", "chat", "math"]
+    assert prompt_splits.interleave([]) == []
+
+
 def test_cap_keeps_a_seeded_sample():
     requests = [f"question {i}" for i in range(50)]
     source_ = requests_source("s", requests, cap=10)
