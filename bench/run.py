@@ -248,10 +248,11 @@ def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan, peers: Peers | No
 
 def _latency(runtime: Runtime, plan: Plan, width: int) -> dict:
     """A draft step (1 and `width` tokens, median after a context of up to 200 tokens) beside
-    each decision model's mean time per decision during the runs."""
+    the mean time per decision of each decision model the runs used."""
     draft = measure_verify_costs(runtime.drafter.lm, "draft", [width],
                                  context=min(200, runtime.context_limit // 2), repeats=10)
-    policies = {"stop_model": plan.winner, **plan.families}
+    policies = {name: p for name, p in {"stop_model": plan.winner, **plan.families}.items()
+                if p.calls}  # the ones the timed methods ran
     return {"draft_step_ms": {str(n): s * 1e3 for n, s in draft.seconds.items()},
             "decision_ms": {name: p.seconds / max(p.calls, 1) * 1e3
                             for name, p in policies.items()},

@@ -113,6 +113,16 @@ def test_a_chosen_few_methods_and_no_sampling_pass(tmp_path, tiny_model_dir, mon
     assert summary["winner"] is None and summary["best_static"] == "ti-mcsd"
     assert summary["winner_vs_ar"] is None and summary["aa_noise"] is None
     assert (Path("metrics/bench_plots") / "speedup.png").is_file()
+    readme = Path("README.md")
+    readme.write_text(f"intro\n{bench_report.README_START}\nold table\n"
+                      f"{bench_report.README_END}\noutro\n")
+    bench_report.update_readme(readme, metrics)
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith(f"{bench_report.README_END}\noutro\n")
+    assert "old table" not in text and "| `hf-prompt-lookup` |" in text
+    readme.write_text("no markers\n")
+    with pytest.raises(SpecstopError, match="README.md: expected one"):
+        bench_report.update_readme(readme, metrics)
 
 
 def test_an_unknown_sampling_method_is_refused_before_the_work(tmp_path, monkeypatch):

