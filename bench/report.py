@@ -79,11 +79,9 @@ def _mode(inputs: Inputs, mode: str) -> dict:
         vs_ar = ratio(inputs, mode, r.method, AR)
         out[r.method] = {**_method(r, n, mode == "greedy"), "speedup_vs_ar": vs_ar.ratio,
                          "speedup_vs_ar_ci95": vs_ar.as_dict()["ci95"]}
-        if mode == "greedy":
-            name = r.method
-            if name in inputs.simulated:
-                out[name]["simulated_speedup"] = inputs.simulated[name]
-                out[name]["measured_over_simulated"] = vs_ar.ratio / inputs.simulated[name]
+        if mode == "greedy" and r.method in inputs.simulated:
+            out[r.method]["simulated_speedup"] = inputs.simulated[r.method]
+            out[r.method]["measured_over_simulated"] = vs_ar.ratio / inputs.simulated[r.method]
     return out
 
 
@@ -112,11 +110,14 @@ def _summary(inputs: Inputs, greedy: dict) -> dict:
     def vs(a: str | None, b: str | None) -> dict | None:
         if a not in greedy or b not in greedy:
             return None
+        if b == AR:  # measured with the method's row
+            return _speedup(greedy[a])
         return ratio(inputs, "greedy", a, b).as_dict()
 
     lossless = [m for name, m in greedy.items() if "lossy" not in name]
     gaps = [m["max_divergence_gap"] for m in lossless if m["max_divergence_gap"] is not None]
-    return {"winner": EXPORTED if EXPORTED in greedy else None, "best_static": best_static, "hf_assisted_best": best_peer,
+    return {"winner": EXPORTED if EXPORTED in greedy else None, "best_static": best_static,
+            "hf_assisted_best": best_peer,
             "prompts": len(inputs.prompt_ids), "domains": sorted(set(inputs.domains)),
             "prompts_per_domain": dict(sorted(Counter(inputs.domains).items())),
             "max_divergence_gap": max(gaps) if gaps else None,
@@ -186,8 +187,9 @@ def _figures(metrics: dict, greedy: list[MethodResult], folder: Path) -> None:
                                      (0.2, "sampling", metrics["sampling"])):
         rows = [(i + offset, by_method[n]) for i, n in enumerate(names) if n in by_method]
         values = [m["speedup_vs_ar"] for _, m in rows]
-        errors = [[v - (m["speedup_vs_ar_ci95"] or [v, v])[0] for v, (_, m) in zip(values, rows)],
-                  [(m["speedup_vs_ar_ci95"] or [v, v])[1] - v for v, (_, m) in zip(values, rows)]]
+        low, high = zip(*(m["speedup_vs_ar_ci95"] or (v, v) for v, (_, m) in zip(values, rows))) \
+            if rows else ((), ())
+        errors = [[v - lo for v, lo in zip(values, low)], [hi - v for v, hi in zip(values, high)]]
         ax.barh([y for y, _ in rows], values, 0.4, xerr=errors, capsize=2, label=label)
     ax.axvline(1.0, color="grey", linestyle="--", linewidth=1)
     ax.set_yticks(list(range(len(names))), names)

@@ -96,7 +96,7 @@ def run(config: BenchConfig, models: ModelsConfig, collect: CollectConfig,
         methods = [m for m in methods if chosen is None or m.name in {"ar", *chosen}]
         if len(methods) > 1 or mode == "greedy":
             results[mode] = bench_methods(runtime, prompts, methods, config.seed,
-                                          progress=f"bench {mode}")
+                                          progress=f"bench {mode}", divergence=mode == "greedy")
     setup = {"prompts": len(prompts), "max_new_tokens": config.max_new_tokens,
              "temperature": config.temperature, "target": models.target, "draft": models.draft,
              "dtype": str(runtime.target.dtype),

@@ -24,11 +24,6 @@ class Ratio:
     def as_dict(self) -> dict:
         return {"ratio": self.ratio, "ci95": None if self.ci95 is None else list(self.ci95)}
 
-    def __str__(self) -> str:
-        if self.ci95 is None:
-            return f"{self.ratio:.3f}"
-        return f"{self.ratio:.3f} [{self.ci95[0]:.3f}, {self.ci95[1]:.3f}]"
-
 
 def speed_ratio(tokens_a: list[int], seconds_a: list[float], tokens_b: list[int],
                 seconds_b: list[float], resamples: int = 10_000, seed: int = 0) -> Ratio:

@@ -81,11 +81,13 @@ def bench(runtime: Runtime, prompts: list[torch.Tensor], configs: list[DecodeCon
 
 
 def bench_methods(runtime: Runtime, prompts: list[torch.Tensor], methods: list[Method],
-                  seed: int, progress: str | None = None) -> list[MethodResult]:
+                  seed: int, progress: str | None = None,
+                  divergence: bool = False) -> list[MethodResult]:
     """Every method on every prompt after one warm-up decode each; the order of the methods
     rotates by one per prompt, so none always runs first or last and drift hits all alike.  The
-    first method (`ar`) is the reference of `identical` and of the divergence gaps.  Then every
-    output is scored under the target (outside the timed decodes).  `progress`: a tqdm label."""
+    first method (`ar`) is the reference of `identical` and, with `divergence` (greedy runs), of
+    the divergence gaps.  Then every output is scored under the target (outside the timed
+    decodes).  `progress`: a tqdm label."""
     results = [MethodResult(m.name, DecodeStats()) for m in methods]
     for method in methods:
         method.decode(prompts[0][:WARM_UP_TOKENS], seed)
@@ -102,9 +104,10 @@ def bench_methods(runtime: Runtime, prompts: list[torch.Tensor], methods: list[M
     for result in results:
         result.logprobs = [mean_target_logprob(runtime.target, prompt, tokens)
                            for prompt, tokens in zip(prompts, result.outputs)]
-        result.divergence_gaps = [
-            divergence_gap(runtime.target, prompt, reference, tokens)
-            for prompt, reference, tokens in zip(prompts, results[0].outputs, result.outputs)]
+        if divergence:
+            result.divergence_gaps = [
+                divergence_gap(runtime.target, prompt, reference, tokens)
+                for prompt, reference, tokens in zip(prompts, results[0].outputs, result.outputs)]
     return results
 
 
