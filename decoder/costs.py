@@ -23,7 +23,7 @@ import torch
 
 from specstop.common.errors import DataError, SpecstopError, first_line
 from specstop.common.files import write_json
-from specstop.features import RoundContext, draft_features
+from specstop.features import RoundContext, draft_features, root_statistics
 
 from .kv import KVModel
 from .policy import ConfidenceThreshold
@@ -152,7 +152,7 @@ def _decision_seconds(vocab: int, width: int, repeats: int) -> float:
     for _ in range(repeats):
         start = time.perf_counter()
         features = draft_features(q, tokens, 1, torch.zeros(width), ones, ones,
-                                  RoundContext(0, 0, 0.0))
+                                  RoundContext(0, 0, 0.0, 0.0, root_statistics(q[0])))
         bool(policy(features).any())
         times.append(time.perf_counter() - start)
     return statistics.median(times)

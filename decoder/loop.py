@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from specstop.common.params import METHODS
-from specstop.features import RoundContext, draft_features, feature_index
+from specstop.features import RoundContext, draft_features, feature_index, root_statistics
 
 from .contracts import Proposal, Scores, Verdict
 from .costs import VerifyCosts
@@ -31,6 +31,7 @@ from .verify import dynasd_select, verify_tree
 
 MAX_DEPTH = 64
 MAX_TREE_NODES = 4096
+ACCEPTED_EMA_DECAY = 0.5  # weight of the previous average in the accepted-length EMA
 PATH_CONFIDENCE = feature_index("path_confidence")
 
 
@@ -98,6 +99,7 @@ class DecodeStats:
     accepted: int = 0  # drafted tokens accepted
     seconds: float = 0.0
     accepted_per_round: list[int] = field(default_factory=list)
+    accepted_ema: float = 0.0  # EMA of accepted drafted tokens per round (0 before the first)
 
     @property
     def tokens_per_s(self) -> float:
@@ -126,6 +128,8 @@ class DecodeStats:
         self.drafted_tokens += drafted
         self.accepted += accepted
         self.accepted_per_round.append(accepted)
+        self.accepted_ema = ACCEPTED_EMA_DECAY * self.accepted_ema \
+            + (1 - ACCEPTED_EMA_DECAY) * accepted
 
     def add(self, other: "DecodeStats") -> None:
         """Accumulate another generation's counts (per-round history is not kept)."""
@@ -196,7 +200,8 @@ def generate(
             break
         # 2. Propose: draft below the roots while the budget (one token per level) allows.
         levels = min(tree.max_depth, config.max_new_tokens - len(out) - 1 + root_emitted)
-        context = RoundContext(len(out), stats.last_accepted, stats.acceptance_rate)
+        context = RoundContext(len(out), stats.last_accepted, stats.acceptance_rate,
+                               stats.accepted_ema, root_statistics(r))
         proposal = propose(drafter, tree, roots, r, target.length, levels, policy, context,
                            config, generator)
         # 3. Score: one target pass over the proposal.

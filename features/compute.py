@@ -11,11 +11,22 @@ from .schema import FEATURES, TOP_K
 
 @dataclass(frozen=True)
 class RoundContext:
-    """Per-round scalars shared by every drafted token of the round."""
+    """Per-round values shared by every drafted token of the round."""
 
     tokens_generated: int
     prev_accepted: int
     running_acceptance: float
+    accepted_ema: float
+    root: torch.Tensor  # [2] entropy and top-1 - top-2 margin of the target's root distribution
+
+
+def root_statistics(r: torch.Tensor) -> torch.Tensor:
+    """[2] entropy and top-1 minus top-2 probability of the target distribution r [V] (on r's
+    device, no sync)."""
+    r = r.float()
+    top = r.topk(min(2, r.shape[0])).values
+    margin = top[0] - top[1] if top.shape[0] > 1 else top[0]
+    return torch.stack([-(r * r.clamp_min(1e-30).log()).sum(), margin])
 
 
 def draft_features(
@@ -39,10 +50,12 @@ def draft_features(
         [top[:, :1], top[:, 1:2], top[:, :1] - top[:, 1:2], entropy[:, None], top], dim=1
     )  # [m, 14]
     n = m * k
-    scalars = torch.tensor(
-        [context.tokens_generated, context.prev_accepted, context.running_acceptance],
-        dtype=torch.float32, device=q.device,
-    ).expand(n, 3)
+    scalars = torch.cat([
+        torch.tensor([context.tokens_generated, context.prev_accepted,
+                      context.running_acceptance, context.accepted_ema],
+                     dtype=torch.float32, device=q.device),
+        context.root.to(q.device, torch.float32),
+    ]).expand(n, 6)
     features = torch.cat(
         [
             q_token.reshape(n, 1),

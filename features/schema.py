@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 TOP_K = 10
 
 
@@ -35,6 +35,12 @@ FEATURES: tuple[Feature, ...] = (
     Feature("tokens_generated", "float32", "tokens generated so far in this sequence"),
     Feature("prev_accepted", "float32", "drafted tokens accepted in the previous round"),
     Feature("running_acceptance", "float32", "acceptance rate of drafted tokens so far"),
+    Feature("accepted_ema", "float32", "exponential moving average of the tokens accepted per "
+            "round (recent rounds weigh most)"),
+    Feature("root_entropy", "float32", "entropy of the target's distribution the round's root "
+            "was drawn from (nats; known before drafting)"),
+    Feature("root_margin", "float32", "top-1 minus top-2 probability of that target "
+            "distribution"),
 )
 
 
