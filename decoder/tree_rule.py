@@ -1,0 +1,140 @@
+"""The dynamic tree's budget rule: which drafted nodes to expand and which to verify.
+
+Every node of a round's tree has a *survival* s: the chance it is accepted, the product along its
+path of P(node accepted | parent accepted) (a policy's calibrated prediction; EAGLE-2 uses the
+draft's own path confidence instead).  One round spends draft steps (one per level, its cost
+growing with the number of nodes fed) and one target pass over the verified nodes (its cost
+`verify_cost[n]`, measured, in one-token target steps).  With rho the throughput to beat (tokens
+per target step), the round maximises  expected tokens - rho * cost:
+
+- expand: after a level is drafted, feed the draft the candidates whose survival exceeds
+  `expand` (at most `max_width` of them, the most likely first); their children are the next
+  level's candidates (the draft's top `branching[d]`, in sampling order).  No candidate: stop.
+- verify: the drafted nodes kept for the target pass are the n most likely, n maximising
+  sum(s of the kept) - rho * verify_cost[1 + n]; the set is closed under parents and earlier
+  siblings (a child is kept only with its parent and the siblings ranked before it, so the
+  multi-candidate rule sees a prefix of each node's sampling order).  `prune` off keeps every
+  drafted node: with sampling, dropping a node for its own token's score would bias the output.
+
+Fixed shapes, the draft's confidence and a learned model are instances: they differ only in
+where s comes from.  The arithmetic is NumPy on one round; the decode loop and the replay
+(`specstop.models.tree_replay`) call the same functions, so what the replay tunes is what runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TreeRule:
+    branching: tuple[int, ...]  # candidate children per fed node at levels 1..max_depth
+    expand: float  # feed a candidate whose survival exceeds this
+    rho: float  # tokens per target step to beat
+    max_width: int  # nodes fed per draft step at most
+    verify_cost: tuple[float, ...]  # [n] target steps of a pass over n tokens (index 0 unused)
+    prune: bool = True  # drop drafted nodes not worth verifying (greedy decoding only)
+
+    def __post_init__(self) -> None:
+        if not self.branching or any(k < 1 for k in self.branching):
+            raise ValueError(f"tree branching must be a non-empty list of widths >= 1, "
+                             f"got {list(self.branching)}")
+        if self.max_width < 1 or self.rho < 0 or not np.isfinite(self.expand):
+            raise ValueError(f"max_width must be >= 1, rho >= 0 and expand finite, got "
+                             f"{self.max_width}, {self.rho}, {self.expand}")
+        if len(self.verify_cost) < 2:
+            raise ValueError("verify_cost needs the one-token pass (index 1)")
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.branching)
+
+    @property
+    def max_nodes(self) -> int:
+        """Nodes a round may draft below the root, at most."""
+        fed, total = 1, 0
+        for k in self.branching:
+            total += fed * k
+            fed = min(fed * k, self.max_width)
+        return total
+
+    def cost(self, n: int) -> float:
+        """Target steps of a pass over n tokens (the last measured slope beyond the table)."""
+        table = self.verify_cost
+        if n < len(table):
+            return table[n]
+        slope = table[-1] - table[-2] if len(table) > 2 else 0.0
+        return table[-1] + slope * (n - len(table) + 1)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "branching": list(self.branching),
+                "verify_cost": list(self.verify_cost)}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "TreeRule":
+        return cls(tuple(int(k) for k in raw["branching"]), float(raw["expand"]),
+                   float(raw["rho"]), int(raw["max_width"]),
+                   tuple(float(c) for c in raw["verify_cost"]), bool(raw.get("prune", True)))
+
+
+def verify_cost_table(seconds: dict[int, float], up_to: int) -> tuple[float, ...]:
+    """[up_to + 1] target steps of a pass over n = 0..up_to tokens from measured seconds by
+    width, as the decode loop pays them (`VerifyCosts.padded_width`): a measured width runs at
+    the cheapest measured width >= it; others are interpolated, beyond the widest extrapolated."""
+    widths = np.array(sorted(seconds))
+    values = np.array([seconds[w] for w in widths]) / seconds[1]
+    n = np.arange(up_to + 1)
+    cost = np.interp(n, widths, values)
+    if len(widths) > 1:
+        slope = (values[-1] - values[-2]) / (widths[-1] - widths[-2])
+        cost = np.where(n > widths[-1], values[-1] + slope * (n - widths[-1]), cost)
+    padded = np.minimum.accumulate(values[::-1])[::-1]  # cheapest measured width >= each
+    for w, c in zip(widths, padded):
+        if w <= up_to:
+            cost[w] = c
+    cost[0] = 0.0
+    return tuple(float(c) for c in cost)
+
+
+def feed(survival: np.ndarray, rule: TreeRule) -> np.ndarray:
+    """[m] bool: which candidates of the level just drafted to feed the draft (expand)."""
+    keep = survival > rule.expand
+    if keep.sum() > rule.max_width:
+        order = np.lexsort((np.arange(len(survival)), -survival))
+        keep = np.zeros(len(survival), dtype=bool)
+        keep[order[: rule.max_width]] = True
+        keep &= survival > rule.expand
+    return keep
+
+
+def closed_survival(survival: np.ndarray, parent: np.ndarray, previous_sibling: np.ndarray
+                    ) -> np.ndarray:
+    """[n] survival capped by the parent's and the previous sibling's (nodes in tree order,
+    parents and earlier siblings first; -1 for none): the ranking key whose every prefix is
+    closed under parents and earlier siblings."""
+    key = survival.astype(np.float64).copy()
+    for i in range(len(key)):
+        if parent[i] >= 0:
+            key[i] = min(key[i], key[parent[i]])
+        if previous_sibling[i] >= 0:
+            key[i] = min(key[i], key[previous_sibling[i]])
+    return key
+
+
+def verify_set(survival: np.ndarray, parent: np.ndarray, previous_sibling: np.ndarray,
+               rule: TreeRule) -> np.ndarray:
+    """[n] bool: the drafted nodes (below the root, tree order; `parent` -1 for the root's
+    children) kept for the target pass."""
+    n = len(survival)
+    if not rule.prune or n == 0:
+        return np.ones(n, dtype=bool)
+    key = closed_survival(survival, parent, previous_sibling)
+    order = np.lexsort((np.arange(n), -key))
+    gain = np.concatenate([[0.0], np.cumsum(survival[order])])
+    cost = np.array([rule.cost(1 + k) for k in range(n + 1)])
+    best = int(np.argmax(gain - rule.rho * cost))
+    keep = np.zeros(n, dtype=bool)
+    keep[order[:best]] = True
+    return keep
