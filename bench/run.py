@@ -1,17 +1,20 @@
 """Stage `bench`'s work: every method side by side on the held-out test prompts, greedy and
 sampling, in one process: `ar` (twice: the A/A noise floor); `sd` at its best fixed γ; `mcsd`
-and `ti-mcsd` static; `ti-mcsd` with the confidence threshold and with each exported decision
-model (the winner from `stop_model.pt`); the published lossy `ti-mcsd --lossy` with the winner;
-and the peers on equal terms: a plain draft (`bench.assistant_draft`, else the default draft
+and `ti-mcsd` static and `static-tree`, the replay's best static shape; the dynamic trees
+(method `tree`): `tree+confidence` (EAGLE-2-style, the draft's path confidence) and
+`tree+stop_model` (the exported winner, the policy the pipeline ships), each with the rule the
+replay tuned; the level-wise stop on `ti-mcsd` (the confidence threshold and each exported
+model); the published lossy `ti-mcsd --lossy`, static (the models never saw lossy rounds); and
+the peers on equal terms: a plain draft (`bench.assistant_draft`, else the default draft
 where it is one) run by specstop's `sd` (`sd-compact`) and by transformers' assisted generation
 with the same distribution, dynamic (its defaults) and static (`sd`'s γ), plus transformers'
 prompt-lookup decoding.  Every method is warmed up and the order rotates per prompt; ratios
 carry paired bootstrap intervals (`bench.report`).  Writes metrics/bench.json, a CSV per
 prompt, the results table, plot data and PNGs.
 
-The trees are those the decision models were trained for (params `collect`); static methods
-draft the best fixed γ of the replay (`data/train/summary.json`), `sd` the γ the draft stage
-measured best (`metrics/draft.json`), `sd-compact` that draft's own best γ there.
+The trees are those the decision models were trained for (params `collect`); `mcsd` and
+`ti-mcsd` draft `ti-mcsd`'s best depth in the tree replay (`metrics/train.json`), `sd` the γ the
+draft stage measured best (`metrics/draft.json`), `sd-compact` that draft's own best γ there.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from specstop.common.files import require
 from specstop.common.params import BenchConfig, CollectConfig, CostsConfig, ModelsConfig
 from specstop.decoder.costs import measure_verify_costs
 from specstop.decoder.loop import DecodeConfig
-from specstop.decoder.policy import ConfidenceThreshold, FixedDepth
+from specstop.decoder.policy import ConfidenceThreshold, ConfidenceTree, FixedDepth
 from specstop.decoder.runtime import Runtime, decode_config
 from specstop.decoder.stop_model import LearnedPolicy, load_stop_model
+from specstop.decoder.tree_rule import TreeRule
 from specstop.drafts.loading import (is_plain_draft, plain_assistant, plain_drafter, require_draft,
                                      runtime_from)
 from specstop.evaluation.side_by_side import Method, bench_methods, decoder_method
@@ -53,8 +57,10 @@ class Plan:
     static_gamma: int
     confidence: float
     winner: LearnedPolicy
-    lossy_winner: LearnedPolicy
     families: dict[str, LearnedPolicy]  # the other exported families
+    tree_winner: LearnedPolicy  # the winner again, for its dynamic tree (timed in DecodeStats)
+    confidence_tree: TreeRule  # the EAGLE-2-style tree's tuned rule (the draft's confidence)
+    static_tree: dict  # the replay's best static shape: {"widths": [...], "depth": d}
     simulated: dict[str, float]  # method -> simulated speedup on val (greedy)
     peer_draft: str | None  # the plain draft specstop and transformers both run
     peer_note: str  # what it is, or why there is none
@@ -133,8 +139,9 @@ def _peer_setup(plan: Plan, peers: Peers | None, lookup_tokens: int) -> dict:
 
 def _check_method_names(config: BenchConfig, plan: Plan) -> None:
     known = ["ar", "ar-aa", "sd", SAME_DRAFT_SD, "mcsd", "ti-mcsd", "ti-mcsd+confidence",
-             *[f"ti-mcsd+{f}" for f in plan.families], "ti-mcsd+stop_model",
-             "ti-mcsd-lossy+stop_model", "hf-assisted", "hf-assisted-static", "hf-prompt-lookup"]
+             *[f"ti-mcsd+{f}" for f in plan.families], "ti-mcsd+stop_model", "static-tree",
+             "tree+confidence", *[f"tree+{f}" for f in plan.families], "tree+stop_model",
+             "ti-mcsd-lossy", "hf-assisted", "hf-assisted-static", "hf-prompt-lookup"]
     for key in ("methods", "sampling_methods"):
         unknown = [name for name in getattr(config, key) or () if name not in known]
         if unknown:
@@ -157,22 +164,34 @@ def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
     train = _read_json(config.train_metrics, "train")
     require(config.export / WINNER_FILE, "export")
     draft = _read_json(config.draft_metrics, None) if config.draft_metrics.is_file() else {}
-    static_gamma = int(summary.get("best_fixed_gamma") or DEFAULT_GAMMA)
+    trees = train["replay"]["policies"]
+    ti_static = trees.get("static_ti_mcsd", {})  # ti-mcsd's own best depth in the tree replay
+    static_gamma = int(ti_static.get("depth") or summary.get("best_fixed_gamma") or DEFAULT_GAMMA)
     sd_gamma = int(draft.get("gamma") or static_gamma)
     winner = load_stop_model(config.export / WINNER_FILE)
     family = winner.meta["family"]
     families = {f: load_stop_model(config.export / f"{f}.pt")
                 for f in summary["families"] if f != family}
-    simulated = {"ti-mcsd": train["fixed"]["simulated_speedup"],
+    simulated = {"ti-mcsd": ti_static.get("simulated_speedup",
+                                          train["fixed"]["simulated_speedup"]),
                  "ti-mcsd+confidence": train["confidence"]["simulated_speedup"],
                  "ti-mcsd+stop_model": winner.meta["simulated_speedup"],
-                 **{f"ti-mcsd+{f}": p.meta["simulated_speedup"] for f, p in families.items()}}
+                 **{f"ti-mcsd+{f}": p.meta["simulated_speedup"] for f, p in families.items()},
+                 "static-tree": trees["static_tree"]["simulated_speedup"],
+                 "tree+confidence": trees["confidence_tree"]["simulated_speedup"],
+                 "tree+stop_model": winner.meta["tree_speedup"],
+                 **{f"tree+{f}": p.meta["tree_speedup"] for f, p in families.items()}}
     peer, note = _peer_draft(config.assistant_draft, models.draft)
     measured = draft.get("drafts", {}).get(Path(peer).name, {}) if peer else {}
     return Plan(sd_gamma=sd_gamma, static_gamma=static_gamma,
                 confidence=float(train["confidence"]["parameter"]),
-                winner=winner, lossy_winner=load_stop_model(config.export / WINNER_FILE),
-                families=families, simulated=simulated, peer_draft=peer, peer_note=note,
+                winner=winner,
+                families=families,
+                tree_winner=load_stop_model(config.export / WINNER_FILE),
+                confidence_tree=TreeRule.from_dict(summary["confidence_tree_rule"]),
+                static_tree={"widths": trees["static_tree"]["widths"],
+                             "depth": trees["static_tree"]["depth"]},
+                simulated=simulated, peer_draft=peer, peer_note=note,
                 peer_gamma=int(measured.get("best_gamma") or sd_gamma)
                 if peer != models.draft else sd_gamma)
 
@@ -222,6 +241,8 @@ def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan, peers: Peers | No
         return dataclasses.replace(base, method=method, **changes)
 
     ti = cfg("ti-mcsd")
+    static_tree = cfg("mcsd", mcsd_branching=tuple(plan.static_tree["widths"]),
+                      max_depth=max(base.max_depth, plan.static_tree["depth"]))
     sd = cfg("sd", max_depth=max(base.max_depth, plan.sd_gamma))
     methods = [
         decoder_method(runtime, base, None, "ar"),
@@ -232,8 +253,14 @@ def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan, peers: Peers | No
         decoder_method(runtime, ti, ConfidenceThreshold(plan.confidence), "ti-mcsd+confidence"),
         *[decoder_method(runtime, ti, p, f"ti-mcsd+{f}") for f, p in plan.families.items()],
         decoder_method(runtime, ti, plan.winner, "ti-mcsd+stop_model"),
-        decoder_method(runtime, cfg("ti-mcsd", lossy=True), plan.lossy_winner,
-                       "ti-mcsd-lossy+stop_model"),
+        decoder_method(runtime, static_tree, FixedDepth(plan.static_tree["depth"]),
+                       "static-tree"),
+        decoder_method(runtime, cfg("tree"), ConfidenceTree(plan.confidence_tree),
+                       "tree+confidence"),
+        *[decoder_method(runtime, cfg("tree"), p, f"tree+{f}") for f, p in plan.families.items()],
+        decoder_method(runtime, cfg("tree"), plan.tree_winner, "tree+stop_model"),
+        decoder_method(runtime, cfg("ti-mcsd", lossy=True), FixedDepth(plan.static_gamma),
+                       "ti-mcsd-lossy"),  # static: the models never saw lossy rounds
     ]
     if peers is not None:
         if peers.sd_name != "sd":

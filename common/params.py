@@ -21,7 +21,7 @@ from . import paths
 from .errors import SpecstopError
 from .schema_errors import dotted, problem
 
-METHODS = ("ar", "sd", "mcsd", "ti-mcsd")
+METHODS = ("ar", "sd", "mcsd", "ti-mcsd", "tree")
 STOP_FAMILIES = ("logistic", "lightgbm", "mlp")
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 PROFILES = "profiles"
@@ -44,7 +44,7 @@ def _temperature(value: float) -> float:
 
 Temperature = Annotated[float, AfterValidator(_temperature),
                         Field(description=f"0 (greedy) or a number in [{MIN_TEMPERATURE:g}, 100]")]
-Method = Literal["ar", "sd", "mcsd", "ti-mcsd"]
+Method = Literal["ar", "sd", "mcsd", "ti-mcsd", "tree"]
 Dtype = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
 Device = Annotated[str, Field(pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$",
                               description="auto, cpu, cuda or cuda:N")]
@@ -247,6 +247,7 @@ class ExportConfig(Section):
     tolerance: NonNegFloat = 1e-5
     tree_implementation: Literal["tree_trav", "perf_tree_trav", "gemm"] = "tree_trav"
     registered_model: str = Field("specstop-stop-model", min_length=1)
+    costs: Path | None = None  # another machine's costs.json: re-tune the tree rules for it
 
 
 class BenchConfig(Section):

@@ -1,8 +1,9 @@
 """The three data contracts of a round (cf. vLLM spec-decode's proposals and scores).
 
-The drafter's `Proposal` (a tree cut after the level drafted last) -> the target's `Scores` (its
-distributions over that tree) -> the verifier's `Verdict` (the accepted path).  Shapes use
-n = tree.size(depth) nodes, the first `roots` of them roots, and V the vocabulary.
+The drafter's `Proposal` (a tree cut after the level drafted last, or the `tree` method's verify
+tree) -> the target's `Scores` (its distributions over that tree) -> the verifier's `Verdict`
+(the accepted path).  Shapes use n = tree.size(depth) nodes, the first `roots` of them roots, and
+V the vocabulary.
 """
 
 from __future__ import annotations
@@ -14,13 +15,20 @@ import torch
 
 @dataclass(frozen=True)
 class Proposal:
-    """A drafted tree: the roots and every level drafted below them, in tree (level-major) order."""
+    """A tree to verify: the roots and every level drafted below them, in tree (level-major)
+    order."""
 
     tokens: torch.Tensor  # [n] long token ids
     depth: int  # levels drafted below the roots (0: the roots alone)
     root_position: int  # sequence position of the roots (the committed length)
-    q: torch.Tensor  # [size(depth - 1), V] draft distribution each fed node's children came from
+    q: torch.Tensor  # [size(depth - 1), V] draft distribution each node's children came from
+    # (a zero row for a node that was not fed)
     features: tuple[torch.Tensor, ...]  # per drafted level d: [n_d, F] float32 draft features
+    fed: torch.Tensor  # [n] long, each node's index in the fed tree (the draft's cache), -1 if
+    # it was not fed
+    steps: int  # draft steps taken
+    drafted: int  # tokens drafted (the tree's below the roots, or more when some were dropped)
+    decision_seconds: float  # wall time of the policy's decisions
 
 
 @dataclass(frozen=True)

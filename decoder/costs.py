@@ -124,15 +124,18 @@ def measure_verify_costs(lm: KVModel, name: str, widths: list[int], context: int
     return VerifyCosts(name, str(lm.dtype).removeprefix("torch."), lm.device.type, context, seconds)
 
 
-def measure_costs(target: KVModel, draft: KVModel | None, tree: Tree, repeats: int = 10) -> dict:
+def measure_costs(target: KVModel, draft: KVModel | None, tree: Tree, repeats: int = 10,
+                  verify_widths: tuple[int, ...] = (), step_widths: tuple[int, ...] = ()) -> dict:
     """The cost model's table (`costs.json`): seconds per target pass by size of the tree cut
-    at each depth, per draft step by level width, per decision (features + a threshold)."""
+    at each depth (and `verify_widths`), per draft step by level width (and `step_widths`: a
+    dynamic tree feeds other widths), per decision (features + a threshold)."""
     tree_sizes = [tree.size(d) for d in range(tree.max_depth + 1)]
     level_widths = sorted({tree.level_start[d + 1] - tree.level_start[d]
-                           for d in range(tree.max_depth)})
-    verify = measure_verify_costs(target, "target", tree_sizes, repeats=repeats)
-    result = {"tree_sizes": tree_sizes, "threads": torch.get_num_threads(),
-              "target": asdict(verify)}
+                           for d in range(tree.max_depth)} | set(step_widths))
+    verify = measure_verify_costs(target, "target", sorted(set(tree_sizes) | set(verify_widths)),
+                                  repeats=repeats)
+    result = {"tree_sizes": tree_sizes, "branching": list(tree.branching),
+              "threads": torch.get_num_threads(), "target": asdict(verify)}
     if draft is not None:
         step = measure_verify_costs(draft, "draft", level_widths, repeats=repeats)
         result["draft"] = asdict(step)
@@ -190,6 +193,11 @@ class CostModel:
     @property
     def target_step(self) -> float:
         return _at(self.target, 1)
+
+    def draft_step(self, width: int, extra: float = 0.0) -> float:
+        """Target steps of one draft step feeding `width` nodes, its features and decision
+        (`extra` seconds more: a learned model's latency) included."""
+        return (_at(self.draft, width) + self.decision + extra) / self.target_step
 
     def round_cost(self, extra: float = 0.0) -> np.ndarray:
         """[max_depth + 1] cost (target steps) of a round cut at depth D; `extra` seconds per

@@ -4,8 +4,10 @@ A drafter turns the tokens of one tree level into the draft's next-token logits 
 them; the decode loop samples the children (`draft_children`), so every drafter works with
 every tree shape, stopping policy and verification rule.  The drafter keeps its own cache (its
 masks come from `Tree`, the positions it keeps from `kv.kept_positions`) and is told after each
-round which path the target accepted.  A drafter with `needs_target_hidden` also receives the
-target's last hidden states: of the prompt at `reset`, of the verified tree at `commit`.
+round which path the target accepted, and which of its nodes it was fed (a round may feed only
+some nodes: those of a static tree above its last drafted level, the `tree` method's expanded
+ones).  A drafter with `needs_target_hidden` also receives the target's last hidden states: of
+the prompt at `reset`, of the accepted path at `commit`.
 """
 
 from __future__ import annotations
@@ -26,19 +28,21 @@ class Drafter(Protocol):
         """Start a new sequence whose committed tokens so far are `prompt` [L] (hidden [L, H])."""
 
     def step(self, tree: Tree, level: int, ids: torch.Tensor, root_position: int) -> torch.Tensor:
-        """Feed the nodes of `level` (ids [n_level]); return draft logits [n_level, V]."""
+        """Feed the nodes of `level` of the fed tree `tree` (ids [n_level]); return draft
+        logits [n_level, V]."""
 
-    def commit(self, tree: Tree, fed_levels: int, path: list[int], tokens: torch.Tensor,
-               target_hidden: torch.Tensor | None = None) -> None:
-        """The target accepted `path` (node indices) of `tokens` [n] (its hidden states [n, H]);
-        levels < fed_levels were fed."""
+    def commit(self, path_tokens: torch.Tensor, fed_path: torch.Tensor,
+               path_hidden: torch.Tensor | None = None) -> None:
+        """The target accepted `path_tokens` [k] (root first; their hidden states [k, H]); the
+        first j of them were fed this round, as the fed tree's nodes `fed_path` [j] long (a fed
+        node's parent is fed, so they lead the path; j = 0: nothing was fed)."""
 
 
 class ModelDrafter:
     """An independent draft LM (a small model, or the target truncated) with its own KV cache.
 
-    Committed tokens the draft has not seen yet (the prompt, the deepest accepted node) wait in
-    `pending` and are fed as a causal chain in front of the next round's roots.
+    Committed tokens the draft has not seen yet (the prompt, an accepted node that was not fed)
+    wait in `pending` and are fed as a causal chain in front of the next round's roots.
     """
 
     needs_target_hidden = False
@@ -67,18 +71,12 @@ class ModelDrafter:
         self.pending = self.pending[:0]
         return logits[m:]
 
-    def commit(self, tree: Tree, fed_levels: int, path: list[int], tokens: torch.Tensor,
-               target_hidden: torch.Tensor | None = None) -> None:
-        path_t = torch.tensor(path, dtype=torch.long)
-        if fed_levels == 0:
-            self.pending = torch.cat([self.pending, tokens.cpu()[path_t]])
-            return
-        fed = tree.size(fed_levels - 1)
-        is_fed = path_t < fed
-        keep = kept_positions(self.committed, path_t[is_fed])
+    def commit(self, path_tokens: torch.Tensor, fed_path: torch.Tensor,
+               path_hidden: torch.Tensor | None = None) -> None:
+        keep = kept_positions(self.committed, fed_path.cpu())
         self.lm.retain(keep)
         self.committed = keep.shape[0]
-        self.pending = tokens.cpu()[path_t[~is_fed]]
+        self.pending = torch.cat([self.pending, path_tokens.cpu()[fed_path.shape[0]:]])
 
 
 class FeatureDrafter:
@@ -129,15 +127,13 @@ class FeatureDrafter:
         self.node_features = hidden[m:]
         return logits[m:]
 
-    def commit(self, tree: Tree, fed_levels: int, path: list[int], tokens: torch.Tensor,
-               target_hidden: torch.Tensor | None = None) -> None:
-        if target_hidden is None:
+    def commit(self, path_tokens: torch.Tensor, fed_path: torch.Tensor,
+               path_hidden: torch.Tensor | None = None) -> None:
+        if path_hidden is None:
             raise ValueError("a feature-conditioned draft needs the target's hidden states")
-        path_t = torch.tensor(path, dtype=torch.long)
-        accepted = tokens.cpu()[path_t]
-        below_root = target_hidden[path_t[:-1].to(target_hidden.device)]
-        if fed_levels > 0:
-            self.lm.retain(kept_positions(self.committed, path_t[:1]))
+        accepted, below_root = path_tokens.cpu(), path_hidden[:-1]
+        if fed_path.shape[0] > 0:
+            self.lm.retain(kept_positions(self.committed, fed_path[:1].cpu()))
             self.committed = self.lm.length
             self.pending = accepted[1:]
             self.pending_features = below_root
@@ -145,7 +141,7 @@ class FeatureDrafter:
             self.pending = torch.cat([self.pending, accepted])
             self.pending_features = torch.cat([self.pending_features, self.last_feature[None],
                                                below_root])
-        self.last_feature = target_hidden[path[-1]]
+        self.last_feature = path_hidden[-1]
 
 
 def draft_children(

@@ -1,11 +1,13 @@
-"""The decode loop for `ar`, `sd`, `mcsd` and `ti-mcsd`: `generate` and one function per step.
+"""The decode loop for `ar`, `sd`, `mcsd`, `ti-mcsd` and `tree`: `generate` and one function per
+step.
 
 State between rounds is the target's KV cache (every committed token) and `r`, the distribution
 the next token is drawn from.  A round (1) draws the root(s) from r, (2) `propose`s: drafts the
-tree below them level by level until the stopping policy or the tree's depth says stop, (3)
-`score`s the tree in one target pass under the sliced tree mask, (4) `verify`s, (5) `commit`s
-the accepted path to both caches.  The steps talk through the contracts of `contracts.py`
-(Proposal -> Scores -> Verdict).  `ar` is the same loop with nothing drafted.
+method's static tree below them level by level until the stopping policy or the tree's depth
+says stop (`tree`: drafts a dynamic tree and keeps the nodes worth verifying,
+`dynamic.propose_tree`), (3) `score`s the tree in one target pass under its tree mask, (4)
+`verify`s, (5) `commit`s the accepted path to both caches.  The steps talk through the contracts
+of `contracts.py` (Proposal -> Scores -> Verdict).  `ar` is the same loop with nothing drafted.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from specstop.features import RoundContext, draft_features, feature_index, root_
 from .contracts import Proposal, Scores, Verdict
 from .costs import VerifyCosts
 from .drafter import Drafter, draft_children
+from .dynamic import propose_tree
 from .kv import KVModel, kept_positions
-from .policy import FixedDepth, StoppingPolicy
+from .policy import FixedDepth, StoppingPolicy, TreePolicy
 from .sampling import Sampling, sample, warp
 from .tree import Tree
 from .verify import dynasd_select, verify_tree
@@ -77,7 +80,7 @@ def tree_for(config: DecodeConfig) -> Tree:
 def _tree_shape(config: DecodeConfig) -> tuple[int, tuple[int, ...]]:
     """(roots, children per node at levels 1..max_depth) of a method's largest tree."""
     d = config.max_depth
-    if config.method == "ar":
+    if config.method in ("ar", "tree"):  # `tree` builds its trees per round
         return 1, ()
     if config.method == "sd":
         return 1, (1,) * d
@@ -96,8 +99,10 @@ class DecodeStats:
     draft_steps: int = 0
     drafted_levels: int = 0  # tree levels drafted (one per step)
     drafted_tokens: int = 0  # tree nodes drafted
+    verified_tokens: int = 0  # drafted nodes in the target passes (fewer when `tree` prunes)
     accepted: int = 0  # drafted tokens accepted
     seconds: float = 0.0
+    decision_seconds: float = 0.0  # wall time of the policy's decisions
     accepted_per_round: list[int] = field(default_factory=list)
     accepted_ema: float = 0.0  # EMA of accepted drafted tokens per round (0 before the first)
 
@@ -120,12 +125,15 @@ class DecodeStats:
         """Drafted tokens accepted in the last round (0 before the first)."""
         return self.accepted_per_round[-1] if self.accepted_per_round else 0
 
-    def add_round(self, levels: int, drafted: int, accepted: int) -> None:
-        """Count one verified round: `drafted` tokens over `levels` levels, `accepted` of them."""
+    def add_round(self, proposal: Proposal, verified: int, accepted: int) -> None:
+        """Count one round: its proposal's draft steps (one level each), drafted tokens and
+        decisions, `verified` drafted tokens in its target pass, `accepted` of them."""
         self.target_calls += 1
-        self.draft_steps += levels
-        self.drafted_levels += levels
-        self.drafted_tokens += drafted
+        self.draft_steps += proposal.steps
+        self.drafted_levels += proposal.steps
+        self.drafted_tokens += proposal.drafted
+        self.verified_tokens += verified
+        self.decision_seconds += proposal.decision_seconds
         self.accepted += accepted
         self.accepted_per_round.append(accepted)
         self.accepted_ema = ACCEPTED_EMA_DECAY * self.accepted_ema \
@@ -134,7 +142,8 @@ class DecodeStats:
     def add(self, other: "DecodeStats") -> None:
         """Accumulate another generation's counts (per-round history is not kept)."""
         for name in ("new_tokens", "target_calls", "draft_steps", "drafted_levels",
-                     "drafted_tokens", "accepted", "seconds"):
+                     "drafted_tokens", "verified_tokens", "accepted", "seconds",
+                     "decision_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def summary(self) -> str:
@@ -144,7 +153,7 @@ class DecodeStats:
 
 @dataclass(frozen=True)
 class RoundRecord:
-    """What the feature hook receives for every drafted token of a round (n drafted tokens)."""
+    """What the feature hook receives for every verified drafted token of a round (n tokens)."""
 
     round: int
     tokens: torch.Tensor  # [n] long
@@ -172,7 +181,7 @@ def generate(
     drafter: Drafter | None,
     prompt: torch.Tensor,  # [L] long
     config: DecodeConfig,
-    policy: StoppingPolicy | None = None,
+    policy: StoppingPolicy | TreePolicy | None = None,
     eos_id: int | None = None,
     hook: FeatureHook | None = None,
     generator: torch.Generator | None = None,
@@ -180,13 +189,14 @@ def generate(
 ) -> Generation:
     """Decode up to `config.max_new_tokens` tokens after `prompt`.
 
-    `costs` (measured verification cost by width) lets each target pass be padded to a cheaper
-    width; `hook` receives a RoundRecord per round (nothing is recorded without it).
+    `policy`: a StoppingPolicy for the static methods (default: their tree's full depth), a
+    TreePolicy for `tree`.  `costs` (measured verification cost by width) lets each target pass
+    be padded to a cheaper width; `hook` receives a RoundRecord per round (nothing is recorded
+    without it).
     """
-    tree = tree_for(config)
-    if tree.max_depth > 0 and drafter is None:
-        raise ValueError(f"method '{config.method}' needs a drafter")
-    policy = policy or FixedDepth(max(tree.max_depth, 1))
+    tree = tree_for(config)  # `tree` rounds build their own
+    policy = _checked_policy(config, tree, drafter, policy)
+    max_levels = config.max_depth if config.method == "tree" else tree.max_depth
     stats, out, start = DecodeStats(), [], time.perf_counter()
     root_emitted = 0 if config.lossy else 1  # emitted as drawn (exact), or with its path (lossy)
     # 0. Prefill: both caches take the prompt; r is the target's next-token distribution.
@@ -199,22 +209,28 @@ def generate(
         if out and (out[-1] == eos_id or len(out) >= config.max_new_tokens):
             break
         # 2. Propose: draft below the roots while the budget (one token per level) allows.
-        levels = min(tree.max_depth, config.max_new_tokens - len(out) - 1 + root_emitted)
+        levels = min(max_levels, config.max_new_tokens - len(out) - 1 + root_emitted)
         context = RoundContext(len(out), stats.last_accepted, stats.acceptance_rate,
                                stats.accepted_ema, root_statistics(r))
-        proposal = propose(drafter, tree, roots, r, target.length, levels, policy, context,
-                           config, generator)
+        if config.method == "tree":
+            round_tree, proposal = propose_tree(drafter, policy, roots, r, target.length,
+                                                levels, context, config.sampling,
+                                                config.without_replacement, generator)
+        else:
+            round_tree, proposal = tree, propose(drafter, tree, roots, r, target.length,
+                                                 levels, policy, context, config, generator)
         # 3. Score: one target pass over the proposal.
-        scores = score(target, tree, proposal, config.sampling, costs,
+        scores = score(target, round_tree, proposal, config.sampling, costs,
                        drafter is not None and drafter.needs_target_hidden)
         # 4. Verify.
-        verdict = verify(tree, proposal, scores, config, eos_id, generator)
+        verdict = verify(round_tree, proposal, scores, config, eos_id, generator)
         # 5. Commit the accepted path to both caches; emit the tokens not emitted at step 1.
-        out.extend(commit(target, drafter, tree, proposal, scores, verdict)[root_emitted:])
-        stats.add_round(proposal.depth, tree.size(proposal.depth) - tree.roots,
+        out.extend(commit(target, drafter, proposal, scores, verdict)[root_emitted:])
+        stats.add_round(proposal, round_tree.size(proposal.depth) - round_tree.roots,
                         len(verdict.path) - 1)
         if hook is not None and proposal.depth > 0:
-            hook(_round_record(len(stats.accepted_per_round) - 1, tree, proposal, scores, verdict))
+            hook(_round_record(len(stats.accepted_per_round) - 1, round_tree, proposal, scores,
+                               verdict))
         if verdict.next_dist is None or len(out) >= config.max_new_tokens:
             break
         r = verdict.next_dist
@@ -222,6 +238,21 @@ def generate(
     stats.new_tokens = len(out)
     stats.seconds = time.perf_counter() - start
     return Generation(out, stats)
+
+
+def _checked_policy(config: DecodeConfig, tree: Tree, drafter: Drafter | None,
+                    policy: StoppingPolicy | TreePolicy | None) -> StoppingPolicy | TreePolicy:
+    """The round's policy, or a ValueError when the method lacks what it needs."""
+    if config.method == "tree":
+        if drafter is None or not isinstance(policy, TreePolicy):
+            got = "no drafter" if drafter is None else \
+                "no policy" if policy is None else f"a {type(policy).__name__}"
+            raise ValueError("method 'tree' needs a drafter and a tree policy (e.g. "
+                             f"ConfidenceTree), got {got}")
+        return policy
+    if tree.max_depth > 0 and drafter is None:
+        raise ValueError(f"method '{config.method}' needs a drafter")
+    return policy or FixedDepth(max(tree.max_depth, 1))
 
 
 def prefill(
@@ -268,7 +299,7 @@ def propose(
     generator: torch.Generator | None,
 ) -> Proposal:
     """Draft the tree below `roots` level by level while `policy` says go on (nothing for `ar`)."""
-    tokens, q_rows, feature_rows = roots, [], []
+    tokens, q_rows, feature_rows, decision = roots, [], [], 0.0
     root_rank = torch.arange(tree.roots, device=r.device)
     root_prob, confidence = r[roots], torch.ones(tree.roots, device=r.device)
     for depth in range(levels if drafter is not None else 0):
@@ -284,10 +315,17 @@ def propose(
         tokens = torch.cat([tokens, kids.flatten()])
         q_rows.append(q)
         feature_rows.append(features)
-        if not bool(policy(features, tree.parent_row[level].to(r.device)).any()):
+        start = time.perf_counter()
+        go_on = bool(policy(features, tree.parent_row[level].to(r.device)).any())
+        decision += time.perf_counter() - start
+        if not go_on:
             break
+    depth = len(q_rows)
     q_all = torch.cat(q_rows) if q_rows else r.new_zeros(0, r.shape[0])
-    return Proposal(tokens, len(q_rows), root_position, q_all, tuple(feature_rows))
+    fed = torch.arange(tokens.shape[0])
+    fed[tree.size(depth - 1):] = -1  # the levels above the last were fed (size(-1) = 0)
+    return Proposal(tokens, depth, root_position, q_all, tuple(feature_rows), fed, depth,
+                    tokens.shape[0] - tree.roots, decision)
 
 
 def score(target: KVModel, tree: Tree, proposal: Proposal, sampling: Sampling,
@@ -313,19 +351,23 @@ def verify(tree: Tree, proposal: Proposal, scores: Scores, config: DecodeConfig,
     return verify_tree(*args, config.without_replacement, eos_id, generator)
 
 
-def commit(target: KVModel, drafter: Drafter | None, tree: Tree, proposal: Proposal,
-           scores: Scores, verdict: Verdict) -> list[int]:
+def commit(target: KVModel, drafter: Drafter | None, proposal: Proposal, scores: Scores,
+           verdict: Verdict) -> list[int]:
     """Keep the accepted path in both caches; returns its tokens, root first."""
     path = torch.tensor(verdict.path, dtype=torch.long)
     target.retain(kept_positions(proposal.root_position, path))
+    tokens = proposal.tokens[path.to(proposal.tokens.device)]
     if drafter is not None:
-        drafter.commit(tree, proposal.depth, verdict.path, proposal.tokens, scores.hidden)
-    return proposal.tokens[path.to(proposal.tokens.device)].tolist()
+        fed = proposal.fed[path]
+        hidden = scores.hidden
+        drafter.commit(tokens, fed[fed >= 0],
+                       None if hidden is None else hidden[path.to(hidden.device)])
+    return tokens.tolist()
 
 
 def _round_record(index: int, tree: Tree, proposal: Proposal, scores: Scores,
                   verdict: Verdict) -> RoundRecord:
-    """What the feature hook sees of round `index`: every drafted node."""
+    """What the feature hook sees of round `index`: every drafted node of the verified tree."""
     drafted = torch.arange(tree.roots, tree.size(proposal.depth))
     parent = tree.parent[drafted]
     kids = proposal.tokens[drafted.to(proposal.tokens.device)]

@@ -1,4 +1,5 @@
-"""Stopping policies: after each draft step, decide whether to draft one level deeper.
+"""Stopping policies: after each draft step, decide whether to draft one level deeper; tree
+policies: how likely each drafted token is to be accepted (the `tree` method's survival).
 
 A policy is batch-first: it sees the feature vectors [n, F] of the tokens just drafted (one row
 per tree node of that level, `specstop.features`) and returns bool [n], True where drafting
@@ -7,17 +8,23 @@ just drafted is always verified.  No `.item()` inside a policy.  `parents` [n] g
 node's parent as a row of the previous call's level (depth > 1; at depth 1 the parents are
 roots), so a policy may keep per-branch state within a round (e.g. a product of predictions).
 
+A `TreePolicy` instead predicts p-hat [n] = P(token accepted | parent accepted) from the same
+features; its `tree_rule` (`tree_rule.py`) turns the products of p-hat along each path into
+which nodes to expand and which to verify.
+
 The rules' arithmetic is written once, below, on arrays of either kind (torch here, NumPy in
 the replay, `specstop.models.rules`), so what the replay tunes is what the runtime applies.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from specstop.features import feature_index
+
+from .tree_rule import TreeRule
 
 DEPTH = feature_index("depth")
 Q_TOKEN = feature_index("q_token")
@@ -78,3 +85,24 @@ class ConfidenceThreshold:
 
     def __call__(self, features: torch.Tensor, parents: torch.Tensor | None = None) -> torch.Tensor:
         return continues(confidence_score(features), self.threshold)
+
+
+@runtime_checkable
+class TreePolicy(Protocol):
+    name: str
+    tree_rule: TreeRule
+
+    def probabilities(self, features: torch.Tensor) -> torch.Tensor:  # [n, F] -> [n] float
+        ...
+
+
+class ConfidenceTree:
+    """EAGLE-2's dynamic tree: p-hat is the draft's probability of its own token, so a node's
+    survival is the draft's confidence in its path."""
+
+    def __init__(self, rule: TreeRule) -> None:
+        self.tree_rule = rule
+        self.name = f"confidence-tree-{rule.expand:g}"
+
+    def probabilities(self, features: torch.Tensor) -> torch.Tensor:
+        return confidence_score(features)

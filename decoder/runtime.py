@@ -17,7 +17,7 @@ from .drafter import Drafter
 from .kv import KVModel
 from .load import chat_text
 from .loop import DecodeConfig, Generation, generate
-from .policy import StoppingPolicy
+from .policy import StoppingPolicy, TreePolicy
 from .sampling import Sampling
 
 
@@ -56,7 +56,8 @@ class Runtime:
                 f"of {self.context_limit} tokens")
 
     def generate(self, prompt: torch.Tensor, config: DecodeConfig,
-                 policy: StoppingPolicy | None = None, seed: int = 0, **kwargs) -> Generation:
+                 policy: StoppingPolicy | TreePolicy | None = None, seed: int = 0,
+                 **kwargs) -> Generation:
         self.check_fits(prompt, config)
         if config.method != "ar" and self.drafter is None:
             raise SpecstopError(f"method '{config.method}' needs a draft model")

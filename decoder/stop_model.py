@@ -5,6 +5,7 @@ The file's one interface is `forward(features [N, F] float32) -> P(accept) [N]`;
 the family, the tuned rule and its parameters, the training data digest and the MLflow run.
 The rules are those the replay tuned, with the arithmetic both share (`.policy`):
 
+- tree (method `tree`): `tree_rule`, the dynamic tree's expand / verify rule (`.tree_rule`);
 - threshold: continue below a node while p-hat > t;
 - cost_aware: continue below a node while P_d * p-hat_d / (c + v)_d > rho: P_d the product of
   p-hat along the node's branch within the round, level d included (reset at depth 1, carried
@@ -25,6 +26,7 @@ from specstop.common.errors import SpecstopError, first_line
 from specstop.features import FEATURES, SCHEMA_VERSION
 
 from .policy import DEPTH, continues, cost_aware_score
+from .tree_rule import TreeRule
 
 STOP_MODEL_META = "specstop.json"
 RULES = ("threshold", "cost_aware")
@@ -82,6 +84,7 @@ class LearnedPolicy:
             # indexed by level as the replay's: 0 unused, then marginal_cost[d - 1], then stop
             marginal = [float("inf")] + [float(c) for c in meta["marginal_cost"]] + [float("inf")]
             self.name = f"{meta['family']}-{self.rule}"
+            self.tree_rule = TreeRule.from_dict(meta["tree_rule"])
         except (KeyError, TypeError, ValueError) as err:
             raise SpecstopError(f"{source or 'stop model'}: incomplete metadata "
                                 f"({type(err).__name__}: {err})") from err

@@ -1,9 +1,10 @@
 """Candidate trees in level-major (BFS) order and their topology-aware causal masks.
 
-A tree has `roots` level-0 nodes (1, or the target's top-W roots of lossy ti-mcsd) and
-`branching[d-1]` children per node at level d.  One mask is built for the largest tree and
-sliced to the depth actually drafted (the leading principal block), so the draft length can
-change every round without rebuilding anything (VERIFICATION.md §4).  This is the one place
+A static tree has `roots` level-0 nodes (1, or the target's top-W roots of lossy ti-mcsd) and
+`branching[d-1]` children per node at level d; `Tree.from_parents` builds a tree of any shape
+(the `tree` method's fed and verified trees, `dynamic.py`).  One mask is built for the largest
+tree and sliced to the depth actually drafted (the leading principal block), so the draft length
+can change every round without rebuilding anything (VERIFICATION.md §4).  This is the one place
 that builds tree masks (bool, True = may attend): the target's padded pass (`padded_mask`), a
 draft step's rows (`level_rows`) and the committed chain before the roots (`chain_then_roots`);
 `KVModel` turns them into the model's additive mask.
@@ -12,52 +13,83 @@ draft step's rows (`level_rows`) and the committed chain before the roots (`chai
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
+import numpy as np
 import torch
 
 
 @dataclass(frozen=True)
 class Tree:
     roots: int
-    branching: tuple[int, ...]  # children per node at levels 1..max_depth
+    branching: tuple[int, ...]  # children per node at levels 1..max_depth (most children of a
+    # node at each level for a tree `from_parents`)
     parent: torch.Tensor = field(init=False, repr=False)  # [N] long, -1 for roots
     parent_row: torch.Tensor = field(init=False, repr=False)  # [N] parent's row in its level
     depth: torch.Tensor = field(init=False, repr=False)  # [N] long
     rank: torch.Tensor = field(init=False, repr=False)  # [N] long, index among siblings
     root: torch.Tensor = field(init=False, repr=False)  # [N] long, the level-0 ancestor
-    branch: torch.Tensor = field(init=False, repr=False)  # [N] long, see `_branches`
+    branch: torch.Tensor = field(init=False, repr=False)  # [N] long, see `_build`
     level_start: tuple[int, ...] = field(init=False)  # [max_depth + 2]
+    child_start: tuple[int, ...] = field(init=False, repr=False)  # [N + 1] node i's children
+    # are child_start[i]:child_start[i + 1]
     mask: torch.Tensor = field(init=False, repr=False)  # [N, N] bool, self + ancestors
 
     def __post_init__(self) -> None:
         if self.roots < 1 or any(k < 1 for k in self.branching):
             raise ValueError(f"tree widths must be >= 1, got roots={self.roots} {self.branching}")
-        sizes = [self.roots]
-        for k in self.branching:
-            sizes.append(sizes[-1] * k)
-        starts = [0]
-        for n in sizes:
-            starts.append(starts[-1] + n)
-        total = starts[-1]
-        parent = torch.full((total,), -1, dtype=torch.long)
-        parent_row = torch.full((total,), -1, dtype=torch.long)
-        depth = torch.zeros(total, dtype=torch.long)
-        rank = torch.arange(total)  # roots: their own index
-        root = torch.arange(total)
-        for d, k in enumerate(self.branching, start=1):
-            j = torch.arange(sizes[d])
-            parent_row[starts[d] : starts[d + 1]] = j // k
-            parent[starts[d] : starts[d + 1]] = starts[d - 1] + j // k
-            depth[starts[d] : starts[d + 1]] = d
-            rank[starts[d] : starts[d + 1]] = j % k
-            root[starts[d] : starts[d + 1]] = root[parent[starts[d] : starts[d + 1]]]
-        mask = torch.eye(total, dtype=torch.bool)
-        for i in range(starts[1], total):  # parents come first: copy the parent's row
-            mask[i] |= mask[parent[i]]
-        branch = _branches(self.roots, starts, parent, root)
+        self._build(_regular_parents(self.roots, self.branching))
+
+    @classmethod
+    def from_parents(cls, parent: torch.Tensor | np.ndarray | Sequence[int]) -> Tree:
+        """The tree whose node i has parent `parent[i]` ([N] long, -1 for a root): parents come
+        before children, levels are contiguous, a node's children are contiguous and in rank
+        order and children follow their parents' order (so `parent` is non-decreasing)."""
+        parent = np.array(parent.numpy() if isinstance(parent, torch.Tensor) else parent,
+                          dtype=np.int64).ravel()
+        n = parent.shape[0]
+        if n == 0 or parent[0] != -1 or (parent >= np.arange(n)).any() \
+                or (np.diff(parent) < 0).any():
+            raise ValueError(f"not a tree in level-major order: parents {parent.tolist()}")
+        tree = object.__new__(cls)  # `roots` and `branching` follow from the parents
+        tree._build(parent)
+        return tree
+
+    def _build(self, parent: np.ndarray) -> None:
+        """Every field from a valid parent array [N] (level-major, children contiguous); NumPy
+        (a round builds small trees: torch's per-op overhead would dominate)."""
+        n = parent.shape[0]
+        index = np.arange(n)
+        child_start = np.searchsorted(parent, np.arange(n + 1))  # first with parent >= i
+        starts = [0, int((parent < 0).sum())]
+        while starts[-1] < n:  # level d + 1: the children of level d
+            starts.append(int(child_start[starts[-1]]))
+        sizes = np.diff(starts)
+        depth = np.repeat(np.arange(len(sizes)), sizes)
+        has_parent, up = parent >= 0, parent.clip(min=0)
+        parent_row = np.where(has_parent, parent - np.array(starts)[(depth - 1).clip(min=0)], -1)
+        rank = np.where(has_parent, index - child_start[up], index)  # roots: their own index
+        level_1_ancestor = index.copy()  # roots and level 1: themselves
+        mask = np.eye(n, dtype=bool)
+        for d in range(1, len(sizes)):  # parents come first: copy the parent's row
+            level = slice(starts[d], starts[d + 1])
+            mask[level] |= mask[parent[level]]
+            if d > 1:
+                level_1_ancestor[level] = level_1_ancestor[parent[level]]
+        root = np.where(has_parent, up[level_1_ancestor], index)
+        roots = starts[1]
+        # which branch a node belongs to: its root when there are several roots (lossy ti-mcsd),
+        # else the index of its level-1 ancestor within level 1 (-1 for the root)
+        branch = root.copy() if roots > 1 else np.where(has_parent, level_1_ancestor - roots, -1)
+        children = np.diff(child_start)
+        branching = tuple(int(children[starts[d] : starts[d + 1]].max())
+                          for d in range(len(sizes) - 1))
         for name, value in [("branch", branch), ("parent", parent), ("parent_row", parent_row),
-                            ("depth", depth), ("rank", rank), ("root", root),
-                            ("level_start", tuple(starts)), ("mask", mask)]:
+                            ("depth", depth), ("rank", rank), ("root", root), ("mask", mask)]:
+            object.__setattr__(self, name, torch.from_numpy(value))
+        for name, value in [("roots", roots), ("branching", branching),
+                            ("level_start", tuple(starts)),
+                            ("child_start", tuple(child_start.tolist()))]:
             object.__setattr__(self, name, value)
 
     @property
@@ -94,13 +126,8 @@ class Tree:
         return allow
 
     def children(self, node: int) -> range:
-        """Indices of node's children (empty for a leaf of the largest tree)."""
-        d = int(self.depth[node])
-        if d >= self.max_depth:
-            return range(0)
-        k = self.branching[d]
-        first = self.level_start[d + 1] + (node - self.level_start[d]) * k
-        return range(first, first + k)
+        """Indices of node's children (empty for a leaf)."""
+        return range(self.child_start[node], self.child_start[node + 1])
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root down to `node`."""
@@ -116,15 +143,11 @@ def chain(depth: int) -> Tree:
     return Tree(1, (1,) * depth)
 
 
-def _branches(roots: int, starts: list[int], parent: torch.Tensor, root: torch.Tensor
-              ) -> torch.Tensor:
-    """Which branch each node belongs to: its root when there are several roots (lossy
-    ti-mcsd), else the index of its level-1 ancestor within level 1 (-1 for the root)."""
-    if roots > 1:
-        return root.clone()
-    branch = torch.full_like(parent, -1)
-    if len(starts) > 2:
-        branch[starts[1] : starts[2]] = torch.arange(starts[2] - starts[1])
-        for i in range(starts[2], starts[-1]):
-            branch[i] = branch[parent[i]]
-    return branch
+def _regular_parents(roots: int, branching: tuple[int, ...]) -> np.ndarray:
+    """[N] parents of the tree with `roots` roots and `branching[d-1]` children per node at
+    level d, in level-major order."""
+    parts, start, size = [np.full(roots, -1)], 0, roots
+    for k in branching:
+        parts.append(start + np.arange(size).repeat(k))
+        start, size = start + size, size * k
+    return np.concatenate(parts).astype(np.int64)

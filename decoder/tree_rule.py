@@ -23,7 +23,7 @@ where s comes from.  The arithmetic is NumPy on one round; the decode loop and t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -59,6 +59,10 @@ class TreeRule:
             total += fed * k
             fed = min(fed * k, self.max_width)
         return total
+
+    def exact_under(self, greedy: bool) -> "TreeRule":
+        """The rule as exact decoding applies it: `prune` only under greedy decoding."""
+        return self if greedy or not self.prune else replace(self, prune=False)
 
     def cost(self, n: int) -> float:
         """Target steps of a pass over n tokens (the last measured slope beyond the table)."""

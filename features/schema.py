@@ -44,6 +44,15 @@ FEATURES: tuple[Feature, ...] = (
 )
 
 
+FEATURE_GROUPS: dict[str, tuple[str, ...]] = {  # what each kind of signal is (ablations)
+    "draft": ("q_token", "q_top1", "q_top2", "q_margin", "q_entropy",
+              *(f"q_top{i}_sorted" for i in range(1, TOP_K + 1))),
+    "tree_position": ("depth", "sibling_rank", "root_rank", "path_confidence"),
+    "history": ("tokens_generated", "prev_accepted", "running_acceptance", "accepted_ema"),
+    "target_root": ("root_target_prob", "root_entropy", "root_margin"),
+}
+
+
 def feature_index(name: str) -> int:
     """Column of a feature in the feature vector."""
     for i, f in enumerate(FEATURES):

@@ -53,6 +53,9 @@ def plan_parts(prompts_dir: Path, splits: list[str], part_size: int,
     return parts
 
 
+DYNAMIC_STEP_WIDTHS = tuple(range(1, 9))  # draft step widths a dynamic tree may feed
+
+
 def collect_part(runtime: Runtime, part: Part, config: DecodeConfig, seed: int,
                  progress: tqdm, totals: DecodeStats) -> RoundLogger:
     """Decode every prompt of a part with the policy 'draft to the maximum depth'."""
@@ -76,9 +79,12 @@ def _prompt_seed(seed: int, prompt_id: str) -> int:
 
 
 def collect(runtime: Runtime, parts: list[Part], config: DecodeConfig, collect: CollectConfig,
-            models: ModelsConfig, rank: int = 0, world: int = 1) -> None:
+            models: ModelsConfig, rank: int = 0, world: int = 1,
+            verify_widths: tuple[int, ...] = ()) -> None:
     """Decode this process's share of `parts` not written yet; rank 0 sets aside parts logged
-    under other settings first and, at the end, measures the cost model and writes the summary."""
+    under other settings first and, at the end, measures the cost model (target passes at the
+    tree's sizes and `verify_widths`, draft steps up to DYNAMIC_STEP_WIDTHS nodes) and writes
+    the summary."""
     out = collect.out
     if rank == 0:
         resume_or_set_aside(out / "parts", _fingerprint(collect, models), out / STALE,
@@ -101,7 +107,8 @@ def collect(runtime: Runtime, parts: list[Part], config: DecodeConfig, collect: 
         threads = torch.get_num_threads()
         torch.set_num_threads(_all_cores())  # costs as one decoding process sees them
         drafter = runtime.drafter.lm if runtime.drafter is not None else None
-        table = measure_costs(runtime.target, drafter, tree_for(config))
+        table = measure_costs(runtime.target, drafter, tree_for(config),
+                              verify_widths=verify_widths, step_widths=DYNAMIC_STEP_WIDTHS)
         torch.set_num_threads(threads)
         write_json(out / "costs.json", table)
         write_json(collect.summary, _summary(out, parts, elapsed, world))

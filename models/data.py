@@ -13,7 +13,7 @@ columns counts the rows of each split and checks that no prompt is in two splits
 split is streamed part by part, row group by row group, with only the columns training uses and
 the split pushed into the Parquet scan as a filter (row groups of another split are skipped by
 their statistics), into arrays allocated once at their final size.  Peak memory is about the
-final arrays (~110 bytes per row: 23 float32 features, the ids and labels), not an Arrow table
+final arrays (~120 bytes per row: 26 float32 features, the ids and labels), not an Arrow table
 plus pandas copies of it.
 """
 

@@ -71,3 +71,34 @@ def permutation_importance(predict: Callable[[np.ndarray], np.ndarray], X: np.nd
         shuffled[:, j] = rng.permutation(shuffled[:, j])
         out[name] = float(base - roc_auc_score(y, predict(shuffled)))
     return out
+
+
+def feature_aucs(y: np.ndarray, X: np.ndarray, names: list[str]) -> dict[str, tuple[float, float]]:
+    """{name: (AUC, sign)} of every non-constant raw feature column as a score, in the better
+    orientation (sign -1: lower values mean accepted); empty where y has one class."""
+    if y.min() == y.max():
+        return {}
+    out = {}
+    for j, name in enumerate(names):
+        if X[:, j].min() < X[:, j].max():
+            auc = float(roc_auc_score(y, X[:, j]))
+            out[name] = (max(auc, 1 - auc), 1.0 if auc >= 0.5 else -1.0)
+    return out
+
+
+def auc_difference_interval(y: np.ndarray, a: np.ndarray, b: np.ndarray, groups: np.ndarray,
+                            resamples: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of AUC(a) - AUC(b) on the same rows, prompts resampled with
+    replacement (rows of a prompt are not independent)."""
+    codes, members = np.unique(groups, return_inverse=True)
+    rows = [np.flatnonzero(members == g) for g in range(len(codes))]
+    rng = np.random.default_rng(seed)
+    differences = []
+    for _ in range(resamples):
+        pick = np.concatenate([rows[g] for g in rng.integers(0, len(rows), len(rows))])
+        if y[pick].min() != y[pick].max():
+            differences.append(roc_auc_score(y[pick], a[pick]) - roc_auc_score(y[pick], b[pick]))
+    if not differences:
+        return float("nan"), float("nan")
+    low, high = np.percentile(differences, [2.5, 97.5])
+    return float(low), float(high)

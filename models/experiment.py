@@ -1,6 +1,12 @@
 """Stage `train` as library code: fit every family, score it and the baselines on val by replay,
 track it in MLflow, save the models, metrics and plot data.
 
+The headline comparison is the tree replay (`models.tree_report`): static shapes, Sequoia's
+tree, the EAGLE-2-style dynamic tree and each family's dynamic tree on the val rounds
+(metrics `replay`); the winner is the family whose dynamic tree is fastest.  Beside it: the
+sanity floor (each family's AUC against the best single raw feature, with an interval over
+prompts) and an ablation of the winner by feature group (nested MLflow runs).
+
 Every entry (family or baseline) gets probability metrics on the labelled val rows (hard
 labels) and a stopping rule tuned on val for simulated speed (`models.rules`); a family's
 speed is the better of its plain threshold and its cost-aware rule.  The oracle
@@ -22,9 +28,9 @@ from specstop.common.files import write_json
 from specstop.common.params import StopTrainConfig, TrackingStore
 from specstop.decoder.costs import CostModel
 from specstop.decoder.policy import confidence_score, continues, entropy_score
-from specstop.features import feature_index
+from specstop.features import FEATURE_GROUPS, feature_index
 
-from . import data, evaluate, plots, rules
+from . import data, evaluate, plots, rules, tree_report
 from .families import FITTERS, StopModel, search_space
 from .fit_data import FitData, fit_data
 from .simulate import Replay, SimResult
@@ -45,6 +51,7 @@ class Bench:
     X: np.ndarray  # [n, F] every val row (the policies' inputs)
     X_labelled: np.ndarray  # [m, F] labelled val rows
     y_labelled: np.ndarray  # [m] hard labels
+    groups_labelled: np.ndarray  # [m] prompt of each labelled row
     static: rules.Tuned  # best fixed gamma
     oracle: SimResult
     config: StopTrainConfig
@@ -100,16 +107,91 @@ def run(config: StopTrainConfig, store: TrackingStore) -> Report:
               "dataset_digest": dataset.digest, "dropped_rounds": dataset.dropped_rounds}
     for family in tqdm(config.families, desc="train", unit="family"):
         entries[family] = _family(family, dataset, bench, common)
+    trees = _trees(dataset, bench, entries)
+    ablation = _ablation(entries[trees.winner], dataset, bench, trees) if trees.winner else {}
     with tracking.run("baselines") as run_id:
         _log_datasets(dataset, config, ("val",))  # tuned and scored on val only
         _log_baselines(entries, bench, common)
+        _log_trees(trees)
     for name in entries:
         if entries[name].model is None:
             entries[name].run_id = run_id
-    metrics = _metrics(entries, bench, config)
-    winner = _winner([entries[f] for f in config.families])
-    _save(entries, bench, dataset, winner, metrics)
+    metrics = {**_metrics(entries, bench, config), "replay": trees.metrics(), "ablation": ablation,
+               "sanity_floor": _sanity_floor(entries, bench, config.families)}
+    winner = trees.winner
+    _save(entries, bench, dataset, winner, metrics, trees)
     return Report(entries, bench, winner, metrics)
+
+
+def _trees(dataset: data.Dataset, bench: Bench, entries: dict[str, Entry]
+           ) -> tree_report.TreeComparison:
+    """Every tree policy on the val rounds; each family's latency charged per draft step."""
+    charge = bench.config.charge_decision_latency
+    families = {f: (entries[f].model.predict_proba(bench.X), entries[f].latency if charge else 0.0)
+                for f in bench.config.families}
+    return tree_report.compare(dataset.train.rows, dataset.val.rows, bench.costs,
+                               confidence_score(bench.X), families)
+
+
+def _ablation(entry: Entry, dataset: data.Dataset, bench: Bench,
+              trees: tree_report.TreeComparison) -> dict[str, dict]:
+    """The winning family refitted with each feature group (`FEATURE_GROUPS`) held at its
+    training mean: val AUC, calibration and dynamic-tree speed, one nested MLflow run each."""
+    config, family = bench.config, entry.name
+    latency = entry.latency if config.charge_decision_latency else 0.0
+    X, y, groups = dataset.train.examples(config.label)
+    out = {"family": family, "all": {**entry.quality,
+                                     "tree_speedup": trees.tuned[family].result.speedup}}
+    with tracking.run(f"ablation-{family}"):
+        for group, names in tqdm(FEATURE_GROUPS.items(), desc="ablation", unit="group"):
+            columns = [data.FEATURE_NAMES.index(n) for n in names]
+            mean = X[:, columns].mean(axis=0)
+
+            def held(A: np.ndarray) -> np.ndarray:
+                A = np.array(A)
+                A[:, columns] = mean
+                return A
+
+            fit = fit_data(held(X), y, groups, config.class_weight, config.early_stop_fraction,
+                           config.seed)
+            with tracking.run(f"{family}-without-{group}", nested=True):
+                model = FITTERS[family](fit, config.hyperparameters(family), config.seed)
+                quality = evaluate.quality(bench.y_labelled,
+                                           model.predict_proba(held(bench.X_labelled)))
+                tuned, _ = trees.tune(group, model.predict_proba(held(bench.X)), latency)
+                out[f"without_{group}"] = {**quality,
+                                           "tree_speedup": tuned.result.speedup}
+                tracking.log(params={"family": family, "without": group,
+                                     "features_held": ",".join(names)},
+                             metrics=out[f"without_{group}"])
+    return out
+
+
+def _log_trees(trees: tree_report.TreeComparison) -> None:
+    flat = {f"replay.{name}.{key}": value for name, row in trees.metrics()["policies"].items()
+            for key, value in row.items() if isinstance(value, (int, float))}
+    tracking.log(metrics=flat)
+    tracking.log_figure(tree_report.budget_figure(trees), "tree_budget.png")
+
+
+def _sanity_floor(entries: dict[str, Entry], bench: Bench, families: tuple[str, ...]) -> dict:
+    """Each family's val AUC against the best single raw feature's (either orientation), with
+    a 95% interval of the difference over val prompts."""
+    y, X = bench.y_labelled, bench.X_labelled
+    raw = evaluate.feature_aucs(y, X, data.FEATURE_NAMES)
+    if not raw:
+        return {}
+    best = max(raw, key=lambda n: raw[n][0])
+    score = raw[best][1] * X[:, data.FEATURE_NAMES.index(best)]
+    out = {"best_raw_feature": best, "best_raw_auc": raw[best][0], "families": {}}
+    for f in families:
+        p = entries[f].model.predict_proba(X)
+        low, high = evaluate.auc_difference_interval(y, p, score, bench.groups_labelled)
+        out["families"][f] = {"auc": entries[f].quality["auc"],
+                              "minus_best_raw_ci95": [low, high]}
+    out["families_above"] = all(v["auc"] is not None and v["auc"] >= raw[best][0]
+                                for v in out["families"].values())
+    return out
 
 
 def _bench(dataset: data.Dataset, config: StopTrainConfig, store: TrackingStore) -> Bench:
@@ -119,7 +201,8 @@ def _bench(dataset: data.Dataset, config: StopTrainConfig, store: TrackingStore)
         raise SpecstopError(f"{config.data}: rows reach level {replay.max_depth} but the cost "
                             f"model stops at {costs.max_depth}")
     X_labelled, y_labelled = dataset.val.labelled()
-    return Bench(replay, costs, dataset.val.features, X_labelled, y_labelled,
+    groups = dataset.val.examples("hard")[2]
+    return Bench(replay, costs, dataset.val.features, X_labelled, y_labelled, groups,
                  rules.best_fixed(replay, costs), replay.simulate(replay.oracle(costs), costs),
                  config, store)
 
@@ -294,26 +377,20 @@ def _targets(entries: dict[str, Entry], bench: Bench, families: tuple[str, ...])
             "best_3pct_over_confidence": bool(best and best["vs_confidence"] >= 0.03)}
 
 
-def _winner(families: list[Entry]) -> str | None:
-    """Fastest simulated family on val; ties go to the lower decision latency."""
-    if not families:
-        return None
-    return min(families, key=lambda e: (-round(e.best.result.speedup, 9), e.latency)).name
-
-
 def _save(entries: dict[str, Entry], bench: Bench, dataset: data.Dataset, winner: str | None,
-          metrics: dict) -> None:
+          metrics: dict, trees: tree_report.TreeComparison) -> None:
     config = bench.config
     for entry in entries.values():
         if entry.model is not None:
             entry.model.save(config.out)
-    write_json(config.out / "summary.json", _summary(entries, bench, dataset, winner))
+    write_json(config.out / "summary.json", _summary(entries, bench, dataset, winner, trees))
     _write_plot_data(entries, bench)
+    tree_report.write_plot_data(trees, config.plots)
     write_json(config.metrics, metrics)
 
 
 def _summary(entries: dict[str, Entry], bench: Bench, dataset: data.Dataset,
-             winner: str | None) -> dict:
+             winner: str | None, trees: tree_report.TreeComparison) -> dict:
     """What the export (issue 6) needs: the winner, each family's file and tuned rules."""
     config = bench.config
     families = {
@@ -324,7 +401,9 @@ def _summary(entries: dict[str, Entry], bench: Bench, dataset: data.Dataset,
                "cost_aware_speedup": e.rules["cost_aware"].result.speedup,
                "decision_latency_s": e.latency,
                "marginal_cost": bench.costs.marginal_cost(
-                   e.latency if config.charge_decision_latency else 0.0)[1:-1].tolist()}
+                   e.latency if config.charge_decision_latency else 0.0)[1:-1].tolist(),
+               "tree_rule": trees.rules[name].as_dict(),
+               "tree_speedup": trees.tuned[name].result.speedup}
         for name, e in entries.items() if e.model is not None}
     return {"winner": winner, "feature_schema_version": dataset.schema_version,
             "dataset_digest": dataset.digest, "label": config.label,
@@ -336,7 +415,14 @@ def _summary(entries: dict[str, Entry], bench: Bench, dataset: data.Dataset,
             "cost_aware_rule": "after level d (1-based), continue while some node has "
                                "P_d * p / marginal_cost[d - 1] > rho, P_d the product of p "
                                "along its branch",
-            "oracle_speedup": bench.oracle.speedup}
+            "oracle_speedup": bench.oracle.speedup,
+            "confidence_tree_rule": trees.rules[tree_report.CONFIDENCE_TREE].as_dict(),
+            "best_static_tree": {"method": trees.best_static,
+                                 **trees.tuned[trees.best_static].setting},
+            "tree_rule": "per node survival s = product of p along its path; after each draft "
+                         "step feed the candidates with s > expand (at most max_width); verify "
+                         "the n best by s (closed under parents and earlier siblings), n "
+                         "maximising sum(s) - rho * verify_cost[1 + n]"}
 
 
 def _write_plot_data(entries: dict[str, Entry], bench: Bench) -> None:

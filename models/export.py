@@ -3,9 +3,11 @@ copied to `stop_model.pt` and registered in the MLflow model registry; writes
 metrics/export.json.
 
 Each file is checked on the val rows after a round trip through the file: its predictions must
-equal the trained model's within `tolerance`, or the stage fails.  The winner is the fastest
-family by simulated speed on val (its tuned rule); ties go to the lower decision latency of the
-exported file.
+equal the trained model's within `tolerance`, or the stage fails.  The winner is the family
+whose dynamic tree (`tree_rule` in the metadata) is fastest in the val replay; ties go to the
+lower decision latency of the exported file.  With `export.costs` (another machine's
+costs.json) every family's tree rule is re-tuned on val for that cost curve before export:
+the same predictions, the trees that pay there.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from specstop.common import tracking
 from specstop.common.errors import DataError, SpecstopError
 from specstop.common.files import write_atomic, write_json
 from specstop.common.params import ExportConfig, TrackingStore
+from specstop.decoder.costs import CostModel
+from specstop.decoder.policy import confidence_score
 from specstop.decoder.stop_model import LearnedPolicy, read_stop_model
 from specstop.features import feature_index
 
-from . import data, evaluate, scripted
+from . import data, evaluate, scripted, tree_report
 
 
 WINNER_FILE = "stop_model.pt"
@@ -36,7 +40,11 @@ def export(config: ExportConfig, store: TrackingStore) -> dict:
     """Export, check and time every family; copy and register the winner; write the metrics."""
     tracking.check(tracking.tracking_uri(store.uri))  # before the work, not after
     summary = _summary(config.train)
-    X = _val_features(config.data, summary)
+    costs = _costs(config.costs)
+    dataset = _dataset(config.data, summary)
+    X = dataset.val.features
+    if costs is not None:
+        summary = _retuned(summary, dataset, costs, X, config)
     level = torch.tensor(X[X[:, feature_index("depth")] == 1][:3])  # one level of ti-mcsd
     families, metas = {}, {}
     for family in tqdm(summary["families"], desc="export", unit="model"):
@@ -63,8 +71,8 @@ def _summary(folder: Path) -> dict:
     return summary
 
 
-def _val_features(folder: Path, summary: dict) -> np.ndarray:
-    """[n, F] the val rows the models were scored on; refuses data changed since training."""
+def _dataset(folder: Path, summary: dict) -> data.Dataset:
+    """The rows the models were trained and scored on; refuses data changed since training."""
     try:
         dataset = data.load(folder, summary["label"])
     except DataError as err:
@@ -72,7 +80,33 @@ def _val_features(folder: Path, summary: dict) -> np.ndarray:
     if dataset.digest != summary["dataset_digest"]:
         raise SpecstopError(f"{folder} changed since stage train (digest {dataset.digest[:12]} "
                             f"vs {summary['dataset_digest'][:12]}); re-run `specstop train`")
-    return dataset.val.features
+    return dataset
+
+
+def _costs(path: Path | None) -> CostModel | None:
+    """export.costs: another machine's cost model (checked before any work)."""
+    if path is None:
+        return None
+    try:
+        return CostModel.load(path)
+    except DataError as err:
+        raise SpecstopError(f"export.costs: {err}") from err
+
+
+def _retuned(summary: dict, dataset: data.Dataset, costs: CostModel, X: np.ndarray,
+             config: ExportConfig) -> dict:
+    """The summary with every family's tree rule re-tuned on val for `costs` (no retraining:
+    the same predictions, another machine's cost curve)."""
+    families = {f: (scripted.exportable(config.train, f, X[:3], config.tree_implementation)
+                    .reference(X), entry["decision_latency_s"] or 0.0)
+                for f, entry in summary["families"].items()}
+    trees = tree_report.compare(dataset.train.rows, dataset.val.rows, costs,
+                                confidence_score(X), families)
+    out = json.loads(json.dumps(summary))
+    for f, entry in out["families"].items():
+        entry.update(tree_rule=trees.rules[f].as_dict(),
+                     tree_speedup=trees.tuned[f].result.speedup, tree_costs=str(config.costs))
+    return out
 
 
 def _export_one(family: str, summary: dict, X: np.ndarray, level: torch.Tensor,
@@ -99,13 +133,14 @@ def _export_one(family: str, summary: dict, X: np.ndarray, level: torch.Tensor,
     policy = LearnedPolicy(module, meta, str(path))
     latency = evaluate.decision_latency(lambda x: policy(x, None), level)
     return {"file": str(path), "bytes": path.stat().st_size, "rule": meta["rule"],
-            "simulated_speedup": meta["simulated_speedup"], "max_abs_diff": diff,
+            "simulated_speedup": meta["simulated_speedup"],
+            "tree_speedup": meta["tree_speedup"], "max_abs_diff": diff,
             "decision_latency_ms": latency * 1e3, "mlflow_run_id": meta["mlflow_run_id"]}, meta
 
 
 def _winner(families: dict[str, dict]) -> str:
-    """Fastest simulated family; ties go to the lower exported decision latency."""
-    return min(families, key=lambda f: (-round(families[f]["simulated_speedup"], 9),
+    """Fastest simulated dynamic tree; ties go to the lower exported decision latency."""
+    return min(families, key=lambda f: (-round(families[f]["tree_speedup"], 9),
                                         families[f]["decision_latency_ms"]))
 
 

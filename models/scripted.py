@@ -124,6 +124,8 @@ def metadata(family: str, summary: dict) -> dict:
             "marginal_cost": entry["marginal_cost"],
             "rule_text": summary[f"{entry['rule']}_rule"],
             "simulated_speedup": entry[f"{entry['rule']}_speedup"],
+            "tree_rule": entry["tree_rule"], "tree_rule_text": summary["tree_rule"],
+            "tree_speedup": entry["tree_speedup"], "tree_costs": entry.get("tree_costs"),
             "label": summary["label"], "dataset_digest": summary["dataset_digest"],
             "mlflow_run_id": entry["run_id"], "mlflow_experiment": summary["experiment"]}
 

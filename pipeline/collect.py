@@ -17,4 +17,5 @@ def run(params: Params) -> None:
     runtime = load_runtime(models.target, models.draft, models.dtype,
                            collection.process_device(models.device),
                            models.target_cache)  # every check before the logs are touched
-    collection.collect(runtime, parts, config, collect, models, rank, world)
+    collection.collect(runtime, parts, config, collect, models, rank, world,
+                       tuple(params.costs.widths))

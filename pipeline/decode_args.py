@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from specstop.common.errors import SpecstopError
 from specstop.common.params import DecodeParams, Params, with_overrides
 from specstop.decoder.policy import ConfidenceThreshold, FixedDepth, StoppingPolicy
 from specstop.decoder.stop_model import load_stop_model
@@ -48,9 +49,13 @@ def with_flags(params: Params, args: argparse.Namespace, source: str) -> Params:
 
 
 def stopping_policy(decode: DecodeParams) -> StoppingPolicy:
-    """The exported decision model if one is named, else the fixed or confidence policy."""
+    """The exported decision model if one is named (for `tree`: its tree rule), else the fixed
+    or confidence policy."""
     if decode.stop_model is not None:
         return load_stop_model(decode.stop_model)
+    if decode.method == "tree":
+        raise SpecstopError("--method tree needs --stop-model FILE (an exported decision model; "
+                            "its tree rule decides what to draft and verify)")
     if decode.policy == "confidence":
         return ConfidenceThreshold(decode.threshold)
     return FixedDepth(decode.gamma)

@@ -13,6 +13,8 @@ from specstop.decoder.stop_model import STOP_MODEL_META
 from specstop.models.scripted import LinearLogit, Probability
 
 N = len(FEATURES)
+TREE_RULE = {"branching": [2, 1, 1], "expand": 0.3, "rho": 0.8, "max_width": 2,
+             "verify_cost": [0.0, 1.0, 1.2, 1.3, 1.4, 1.5], "prune": True}
 
 
 def linear_module(weights: dict[str, float], bias: float = 0.0) -> torch.jit.ScriptModule:
@@ -29,6 +31,7 @@ def metadata(family: str = "logistic", rule: str = "threshold", threshold: float
             "features": [f.name for f in FEATURES], "feature_schema_version": SCHEMA_VERSION,
             "rule": rule, "threshold": threshold, "rho": rho,
             "marginal_cost": marginal_cost or [0.2] * 7, "simulated_speedup": 1.1,
+            "tree_rule": TREE_RULE, "tree_speedup": 1.2,
             "label": "hard", "dataset_digest": "0" * 64, "mlflow_run_id": None,
             "mlflow_experiment": "specstop-train", **changes}
 
@@ -53,10 +56,14 @@ def write_trained_outputs(root: Path, families: tuple[str, ...] = ("logistic", "
     (root / "data/export/stop_model.pt").write_bytes(
         (root / "data/export" / f"{families[0]}.pt").read_bytes())
     summary = {"winner": families[0], "best_fixed_gamma": gamma,
-               "families": {f: {"rule": "threshold"} for f in families}}
+               "families": {f: {"rule": "threshold", "tree_rule": TREE_RULE} for f in families},
+               "confidence_tree_rule": {**TREE_RULE, "expand": 0.5}}
     (root / "data/train").mkdir(parents=True, exist_ok=True)
     (root / "data/train/summary.json").write_text(json.dumps(summary))
+    policies = {"static_tree": {"simulated_speedup": 1.0, "widths": [2, 1, 1], "depth": 2},
+                "confidence_tree": {"simulated_speedup": 1.1}}
     train = {"fixed": {"simulated_speedup": 1.0},
-             "confidence": {"simulated_speedup": 1.05, "parameter": 0.3}}
+             "confidence": {"simulated_speedup": 1.05, "parameter": 0.3},
+             "replay": {"policies": policies}}
     (root / "metrics").mkdir(exist_ok=True)
     (root / "metrics/train.json").write_text(json.dumps(train))

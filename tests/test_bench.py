@@ -25,9 +25,10 @@ from stop_models import write_trained_outputs
 CONTRACT = {"tokens_per_s", "speedup_vs_ar", "mean_accepted", "acceptance_rate", "target_calls",
             "draft_steps"}
 METHODS = ["ar", "ar-aa", "sd", "mcsd", "ti-mcsd", "ti-mcsd+confidence", "ti-mcsd+mlp",
-           "ti-mcsd+stop_model", "ti-mcsd-lossy+stop_model", "sd-compact", "hf-assisted",
-           "hf-assisted-static", "hf-prompt-lookup"]
-SAMPLED = ["ar", "sd", "ti-mcsd+stop_model", "hf-assisted-static"]
+           "ti-mcsd+stop_model", "static-tree", "tree+confidence", "tree+mlp", "tree+stop_model",
+           "ti-mcsd-lossy", "sd-compact", "hf-assisted", "hf-assisted-static",
+           "hf-prompt-lookup"]
+SAMPLED = ["ar", "sd", "tree+stop_model", "hf-assisted-static"]
 
 
 def run_bench(params: Params) -> dict:
@@ -61,18 +62,23 @@ def test_bench_measures_every_method_side_by_side(tmp_path, tiny_model_dir, monk
     for name in SAMPLED:
         assert CONTRACT <= set(metrics["sampling"][name]), name
     summary = metrics["summary"]
-    assert summary["winner"] == "ti-mcsd+stop_model" and summary["prompts"] == 3
+    assert summary["winner"] == "tree+stop_model" and summary["prompts"] == 3
     assert summary["domains"] == ["chat", "code"]  # one from each source in turn
     assert summary["prompts_per_domain"] == {"chat": 1, "code": 2}
-    assert summary["best_static"] in ("sd", "sd-compact", "mcsd", "ti-mcsd")
+    assert summary["best_static"] in ("sd", "sd-compact", "mcsd", "ti-mcsd", "static-tree")
     for key in ("winner_vs_best_static", "winner_vs_ar", "winner_vs_hf_assisted",
-                "sd_vs_hf_assisted_same_draft", "aa_noise"):
+                "winner_vs_confidence_tree", "sd_vs_hf_assisted_same_draft", "aa_noise"):
         low, high = summary[key]["ci95"]
         assert low <= summary[key]["ratio"] <= high, key
-    assert summary["winner_vs_ar"]["ratio"] == metrics["ti-mcsd+stop_model"]["speedup_vs_ar"]
+    assert summary["winner_vs_ar"]["ratio"] == metrics["tree+stop_model"]["speedup_vs_ar"]
     best = metrics[summary["best_static"]]["tokens_per_s"]
     assert summary["winner_vs_best_static"]["ratio"] == pytest.approx(
-        metrics["ti-mcsd+stop_model"]["tokens_per_s"] / best)
+        metrics["tree+stop_model"]["tokens_per_s"] / best)
+    tree = metrics["tree+stop_model"]
+    assert tree["verified_tokens"] <= tree["drafted_tokens"]
+    assert summary["winner_decision_share"] == tree["decision_share"] and 0 < \
+        tree["decision_share"] < 1
+    assert tree["measured_over_simulated"] == pytest.approx(tree["speedup_vs_ar"] / 1.2)
     peers = metrics["setup"]["peers"]
     assert peers["same_draft_sd"] == "sd-compact" and peers["draft"] == str(peer)
     assert peers["hf-assisted"]["num_assistant_tokens"] == 20

@@ -96,7 +96,14 @@ def test_feature_head_cache_matches_a_fresh_pass(target):
     prompt = prompts(3)[2]
     config = DecodeConfig(method="ti-mcsd", max_depth=3, ti_width=2, max_new_tokens=24)
     out = generate(KVModel(target), drafter, prompt, config)
-    sequence = torch.cat([prompt, torch.tensor(out.tokens)])
+    assert_roots_match_a_fresh_pass(target, head, drafter, prompt, out.tokens)
+
+
+def assert_roots_match_a_fresh_pass(target, head, drafter: "RecordingFeatureDrafter",
+                                    prompt: torch.Tensor, tokens: list[int]) -> None:
+    """Every round's level-0 draft logits equal a fresh pass of the head over the committed
+    sequence with the target's own features."""
+    sequence = torch.cat([prompt, torch.tensor(tokens)])
     with torch.no_grad():
         hidden = target(input_ids=sequence[None], output_hidden_states=True).hidden_states[-1]
         fresh = head(input_ids=sequence[None, 1:], features=hidden[:, :-1],

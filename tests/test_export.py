@@ -17,6 +17,7 @@ from specstop.common.params import ExportConfig
 from specstop.decoder.costs import CostModel
 from specstop.decoder.policy import ConfidenceThreshold, FixedDepth
 from specstop.decoder.stop_model import LearnedPolicy, load_stop_model, read_stop_model
+from specstop.decoder.tree_rule import TreeRule
 from specstop.features import FEATURES, SCHEMA_VERSION, feature_index
 from specstop.models import experiment, rules, scripted
 from specstop.models.export import export
@@ -72,6 +73,38 @@ def test_files_carry_their_metadata(exported):
         assert meta["marginal_cost"] == entry["marginal_cost"]
         assert meta["dataset_digest"] == summary["dataset_digest"]
         assert meta["mlflow_run_id"] == entry["run_id"]
+        assert meta["tree_rule"] == entry["tree_rule"] and meta["tree_costs"] is None
+        assert LearnedPolicy(*read_stop_model(config.out / f"{family}.pt")).tree_rule == \
+            TreeRule.from_dict(entry["tree_rule"])
+
+
+def test_export_retunes_the_tree_rules_for_another_machines_costs(exported, tmp_path):
+    """A flat verify curve (a GPU's): wider trees pay, the same predictions choose them."""
+    config, store, report, metrics = exported
+    costs = json.loads((config.data / "costs.json").read_text())
+    costs["target"]["seconds"] = {n: 0.04 for n in costs["target"]["seconds"]}
+    flat = tmp_path / "gpu_costs.json"
+    flat.write_text(json.dumps(costs))
+    other = config.model_copy(update={"costs": flat, "out": tmp_path / "export",
+                                      "metrics": tmp_path / "export.json"})
+    retuned = export(other, store)
+    before = json.loads((config.train / "summary.json").read_text())["families"]
+    for family in ("logistic", "lightgbm", "mlp"):
+        _, meta = read_stop_model(other.out / f"{family}.pt")
+        assert meta["tree_costs"] == str(flat)
+        assert meta["tree_rule"]["verify_cost"][5] == pytest.approx(1.0)  # flat: every width 1
+        assert meta["tree_speedup"] > before[family]["tree_speedup"]  # verifying is free
+        assert retuned["families"][family]["tree_speedup"] == meta["tree_speedup"]
+
+
+def test_export_refuses_a_bad_cost_file_before_any_work(exported, tmp_path):
+    config, store, report, metrics = exported
+    bad = tmp_path / "costs.json"
+    bad.write_text('{"tree_sizes": [1, 4]}')
+    other = config.model_copy(update={"costs": bad, "out": tmp_path / "export"})
+    with pytest.raises(SpecstopError, match=r"export.costs: .*costs.json: not a cost model"):
+        export(other, store)
+    assert not (tmp_path / "export").exists()
 
 
 def test_a_failed_check_leaves_the_exported_files_as_they_were(exported, monkeypatch):
@@ -94,7 +127,7 @@ def test_the_winner_is_copied_and_registered(exported):
 
     config, store, report, metrics = exported
     winner = metrics["winner"]
-    speed = {f: m["simulated_speedup"] for f, m in metrics["families"].items()}
+    speed = {f: m["tree_speedup"] for f, m in metrics["families"].items()}
     assert speed[winner] == max(speed.values())
     assert (config.out / "stop_model.pt").read_bytes() == (config.out / f"{winner}.pt").read_bytes()
     assert json.loads(config.metrics.read_text())["winner"] == winner

@@ -12,10 +12,11 @@ emitted" must hold.  The joint of the first two tokens of every sequence is test
 
 `generate` costs ~0.2-0.5 ms of Python per decoded token here, so the budget is met by (1)
 counting every transition of 10-token sequences rather than one sample per call, (2) two spawned
-worker processes, and (3) in the workers only, caching `tree_for` and replacing
-`draft_features` with a stub that fills the depth column alone: under the default `FixedDepth`
-policy features never influence which tokens are emitted, and they cost a third of a draft
-step.  The greedy tests run the unpatched loop.
+worker processes, and (3) in the workers only, caching `tree_for` and replacing the static
+methods' `draft_features` with a stub that fills the depth column alone: under the default
+`FixedDepth` policy features never influence which tokens are emitted, and they cost a third of
+a draft step.  The `tree` method keeps the real features (its survival is the draft's path
+confidence).  The greedy tests run the unpatched loop.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from scipy.stats import chi2
 import specstop.decoder.loop as loop
 from specstop.decoder.drafter import ModelDrafter, draft_children
 from specstop.decoder.loop import DecodeConfig, generate
+from specstop.decoder.policy import ConfidenceTree, TreePolicy
 from specstop.decoder.sampling import Sampling, warp
+from specstop.decoder.tree_rule import TreeRule
 from specstop.features import FEATURES, feature_index
 
 V = 5  # generated tokens 0..V-1; V is BOS
@@ -121,6 +124,7 @@ class Run:
     min_transitions: int  # over all chunks
     lossy_tables: bool = False
     pruned_draft: bool = False  # the draft gives tokens outside a pruned vocabulary q = 0
+    policy: TreePolicy | None = None  # the `tree` method's
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.lossy_tables:
@@ -159,7 +163,8 @@ def decode_chunk(run: Run, chunk: int, n_chunks: int) -> np.ndarray:
     prompt = torch.tensor([BOS])
     rows, transitions = [], 0
     while transitions < run.min_transitions / n_chunks:
-        tokens = generate(lm, drafter, prompt, run.config, eos_id=EOS, generator=generator).tokens
+        tokens = generate(lm, drafter, prompt, run.config, run.policy, eos_id=EOS,
+                          generator=generator).tokens
         assert 1 <= len(tokens) <= SEQ_LEN
         assert len(tokens) == SEQ_LEN or tokens[-1] == EOS, tokens
         assert EOS not in tokens[:-1], tokens
@@ -271,14 +276,21 @@ METHODS = {
     "mcsd-wor": replace(BASE, method="mcsd"),
     "mcsd-wr": replace(BASE, method="mcsd", without_replacement=False),
     "ti-mcsd": replace(BASE, method="ti-mcsd"),
+    "tree": replace(BASE, method="tree", max_depth=3),
 }
+# Expands some nodes but not all (the draft's path confidence above 0.3, two per level at most);
+# its pruning (verify a node while its survival beats 0.5 x 0.5 target steps) is for greedy
+# decoding only, so these sampled runs must verify every drafted node.
+TREE_RULE = TreeRule((2, 2, 1), expand=0.3, rho=0.5, max_width=2, verify_cost=(0.0, 1.0, 1.5))
+POLICIES = {"tree": ConfidenceTree(TREE_RULE)}
 MAIN = [(method, 1.0, 1.0) for method in ("sd", "mcsd-wor", "ti-mcsd")]
-SWEEP = ([("mcsd-wr", 1.0, 1.0)] + [(method, 0.3, 0.9) for method in METHODS]
+SWEEP = ([("mcsd-wr", 1.0, 1.0), ("tree", 1.0, 1.0)] + [(method, 0.3, 0.9) for method in METHODS]
          + [("sd", 0.3, 1.0), ("ti-mcsd", 0.3, 1.0), ("mcsd-wor", 1.0, 0.9), ("mcsd-wr", 1.0, 0.9)])
 
 
 def run_for(method: str, temperature: float, top_p: float, seed: int, n: int) -> Run:
-    return Run(replace(METHODS[method], sampling=Sampling(temperature, top_p)), seed, n)
+    return Run(replace(METHODS[method], sampling=Sampling(temperature, top_p)), seed, n,
+               policy=POLICIES.get(method))
 
 
 def decode_and_fit(pool: ProcessPoolExecutor, run: Run, tv_max: float,
@@ -342,7 +354,8 @@ def test_greedy_equals_target_argmax_chain(method: str) -> None:
     for seed in range(5):
         target, draft = bigram_tables(seed)
         drafter = None if method == "ar" else ModelDrafter(TableLM(draft))
-        tokens = generate(TableLM(target), drafter, torch.tensor([BOS]), config).tokens
+        tokens = generate(TableLM(target), drafter, torch.tensor([BOS]), config,
+                          POLICIES.get(method)).tokens
         assert tokens == greedy_chain(target, BOS, 30), (method, seed)
 
 

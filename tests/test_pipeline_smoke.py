@@ -64,7 +64,10 @@ def test_repro_ends_with_stop_model_metrics_plots_and_runs(smoke: Path):
             <= set(train[name])
     assert train["oracle"]["simulated_speedup"] >= train["mlp"]["simulated_speedup"]
     bench = json.loads((smoke / "metrics/bench.json").read_text())
-    for method in ["ar", "ar-aa", "sd", "ti-mcsd", "ti-mcsd+stop_model", "hf-prompt-lookup"]:
+    assert train["replay"]["winner"]["family"] == policy.meta["family"]
+    assert policy.tree_rule.branching[:3] == (3, 2, 2)  # the superset tree collect logs
+    for method in ["ar", "ar-aa", "sd", "ti-mcsd", "static-tree", "tree+confidence",
+                   "tree+stop_model", "ti-mcsd+stop_model", "hf-prompt-lookup"]:
         assert {"tokens_per_s", "speedup_vs_ar", "mean_accepted", "acceptance_rate",
                 "greedy_identical_to_ar"} <= set(bench[method])
     assert bench["summary"]["domains"] == ["humaneval", "magpie"]

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from specstop.common.errors import SpecstopError
 from specstop.common.params import Params, validate
 from specstop.common.errors import DataError
+from specstop.features import FEATURE_GROUPS, SCHEMA_VERSION
 from specstop.models.rows import ROW_SCHEMA, read_parts, write_part
 from specstop.models import data, experiment
 from specstop.models.fit_data import fit_data
@@ -54,13 +55,48 @@ def test_metrics_follow_the_contract(trained):
     for name in ("logistic", "lightgbm", "mlp", "fixed", "confidence", "entropy"):
         assert CONTRACT <= set(metrics[name]), name
     assert metrics["oracle"]["simulated_speedup"] >= max(
-        m["simulated_speedup"] for n, m in metrics.items() if n not in ("oracle", "targets"))
+        m["simulated_speedup"] for n, m in metrics.items()
+        if n not in ("oracle", "targets", "replay", "sanity_floor", "ablation"))
     families = ("logistic", "lightgbm", "mlp")
     assert all(0.7 < metrics[f]["auc"] <= 1.0 for f in families)
     assert max(metrics[f]["simulated_speedup"] for f in families) \
         > metrics["fixed"]["simulated_speedup"]
-    for kind in ("roc", "calibration", "speedup"):
+    for kind in ("roc", "calibration", "speedup", "tree_budget"):
         assert any((config.plots / kind).glob("*.csv")), kind
+
+
+def test_tree_replay_reports_every_policy_against_the_best_static_and_the_oracle(trained):
+    folder, config, store, report = trained
+    replay = json.loads(config.metrics.read_text())["replay"]
+    static = replay["best_static"]
+    assert static["method"] in ("static_chain", "static_ti_mcsd", "static_tree", "sequoia")
+    policies = replay["policies"]
+    assert static["simulated_speedup"] == max(policies[n]["simulated_speedup"] for n in
+                                              ("static_chain", "static_tree", "sequoia"))
+    for name in ("confidence_tree", "logistic", "lightgbm", "mlp"):
+        assert policies[name]["simulated_speedup"] <= replay["oracle"]["simulated_speedup"]
+        assert {"expand", "max_width", "rho"} <= set(policies[name])
+    winner = replay["winner"]
+    assert winner["family"] == json.loads((config.out / "summary.json").read_text())["winner"]
+    assert winner["vs_best_static"] == pytest.approx(
+        winner["simulated_speedup"] / static["simulated_speedup"])
+    assert winner["fraction_of_oracle"] <= 1.0
+
+
+def test_sanity_floor_and_ablation_cover_every_family_and_feature_group(trained):
+    folder, config, store, report = trained
+    metrics = json.loads(config.metrics.read_text())
+    floor = metrics["sanity_floor"]
+    assert floor["best_raw_feature"] in data.FEATURE_NAMES and 0.5 <= floor["best_raw_auc"] <= 1
+    for family, row in floor["families"].items():
+        low, high = row["minus_best_raw_ci95"]
+        assert low <= row["auc"] - floor["best_raw_auc"] <= high, family
+    ablation = metrics["ablation"]
+    assert ablation["family"] == metrics["replay"]["winner"]["family"]
+    assert set(ablation) == {"family", "all", *(f"without_{g}" for g in FEATURE_GROUPS)}
+    # the synthetic acceptance is a function of q_token alone: holding the draft's own
+    # features costs AUC, holding the history (random here) does not
+    assert ablation["without_draft"]["auc"] < ablation["without_history"]["auc"]
 
 
 def test_saved_models_reproduce_the_predictions(trained):
@@ -68,7 +104,7 @@ def test_saved_models_reproduce_the_predictions(trained):
     X = report.bench.X[:50]
     summary = json.loads((config.out / "summary.json").read_text())
     assert summary["winner"] in ("logistic", "lightgbm", "mlp")
-    assert summary["feature_schema_version"] == 1 and len(summary["dataset_digest"]) == 64
+    assert summary["feature_schema_version"] == SCHEMA_VERSION and len(summary["dataset_digest"]) == 64
     lr = json.loads((config.out / "logistic.json").read_text())
     logit = ((X - lr["mean"]) / lr["scale"]) @ np.array(lr["coef"]) + lr["intercept"]
     assert 1 / (1 + np.exp(-logit)) == pytest.approx(
@@ -98,10 +134,19 @@ def test_one_mlflow_run_per_family_and_the_baselines(trained):
     for key in ("auc", "log_loss", "brier", "calibration_error", "simulated_speedup",
                 "fraction_of_oracle", "decision_latency_ms"):
         assert key in mlp.metrics
-    assert len(mlp.params["dataset_digest"]) == 64 and mlp.params["feature_schema_version"] == "1"
+    assert len(mlp.params["dataset_digest"]) == 64 \
+        and mlp.params["feature_schema_version"] == str(SCHEMA_VERSION)
     artifacts = {a.path for a in client.list_artifacts(runs["lightgbm"].info.run_id)}
     assert {"roc.png", "calibration.png", "speedup_vs_threshold.png",
             "feature_importance.png"} <= artifacts
+    baselines = runs["baselines"]
+    assert "tree_budget.png" in {a.path for a in client.list_artifacts(baselines.info.run_id)}
+    assert "replay.confidence_tree.simulated_speedup" in baselines.data.metrics
+    winner = json.loads((config.out / "summary.json").read_text())["winner"]
+    parent = runs[f"ablation-{winner}"].info.run_id
+    nested = [r for r in runs.values() if r.data.tags.get("mlflow.parentRunId") == parent]
+    assert {r.data.params["without"] for r in nested} == set(FEATURE_GROUPS)
+    assert all("auc" in r.data.metrics and "tree_speedup" in r.data.metrics for r in nested)
 
 
 def test_train_prompts_are_held_out_whole():

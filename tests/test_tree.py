@@ -102,3 +102,46 @@ def test_chain_then_roots_lets_each_root_see_the_chain_and_itself(roots, committ
     assert not allow[:m, m:].any()  # the committed chain never sees the new roots
     assert allow[m:, :m].all()  # every root sees the whole chain
     assert torch.equal(allow[m:, m:], torch.eye(roots, dtype=torch.bool))  # not each other
+
+
+FIELDS = ("parent", "parent_row", "depth", "rank", "root", "branch", "mask")
+
+
+@pytest.mark.parametrize("roots,branching", SHAPES + [(1, ()), (2, ())])
+def test_from_parents_reproduces_the_regular_tree(roots, branching):
+    tree = Tree(roots, branching)
+    rebuilt = Tree.from_parents(tree.parent)
+    assert (rebuilt.roots, rebuilt.branching, rebuilt.level_start) == \
+        (roots, branching, tree.level_start)
+    for name in FIELDS:
+        assert torch.equal(getattr(rebuilt, name), getattr(tree, name)), name
+    n = tree.size(tree.max_depth)
+    assert [list(rebuilt.children(i)) for i in range(n)] == \
+        [list(tree.children(i)) for i in range(n)]
+
+
+def test_from_parents_builds_an_irregular_tree():
+    #        0
+    #   1    2    3          level 1: 3 children of the root
+    #  4 5        6          level 2: 2 under node 1, none under 2, 1 under 3
+    #  7                     level 3: 1 under node 4
+    tree = Tree.from_parents([-1, 0, 0, 0, 1, 1, 3, 4])
+    assert tree.roots == 1 and tree.branching == (3, 2, 1) and tree.max_depth == 3
+    assert tree.level_start == (0, 1, 4, 7, 8)
+    assert tree.depth.tolist() == [0, 1, 1, 1, 2, 2, 2, 3]
+    assert tree.rank.tolist() == [0, 0, 1, 2, 0, 1, 0, 0]
+    assert tree.parent_row.tolist() == [-1, 0, 0, 0, 0, 0, 2, 0]
+    assert tree.branch.tolist() == [-1, 0, 1, 2, 0, 0, 2, 0]
+    assert [list(tree.children(i)) for i in range(8)] == \
+        [[1, 2, 3], [4, 5], [], [6], [7], [], [], []]
+    for i, j in itertools.product(range(8), range(8)):
+        assert bool(tree.mask[i, j]) == (j in ancestors(tree, i)), (i, j)
+    assert tree.path_to(7) == [0, 1, 4, 7]
+    assert torch.equal(tree.level_rows(2), tree.mask[4:7, :7])
+    assert torch.equal(tree.padded_mask(1, 6)[:4, :4], tree.sliced_mask(1))
+
+
+@pytest.mark.parametrize("parent", [[], [0], [-1, 1], [-1, 0, 0, 1, 0], [-1, -1, 0, -1]])
+def test_from_parents_refuses_what_is_not_level_major(parent):
+    with pytest.raises(ValueError, match="level-major"):
+        Tree.from_parents(parent)

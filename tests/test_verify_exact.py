@@ -5,7 +5,9 @@ each `u < threshold` comparison made by the rule records the threshold and answe
 reject from a script.  A depth-first search over the scripts visits every accept/reject branch
 once and weighs it by its exact probability (min(1, t) to accept, 1 - min(1, t) to reject, for a
 continuous u ~ U[0, 1)).  Summing the emitted token's distribution over all branches and over
-all candidate tuples (weighted by how the drafter draws them) must give back p.
+all candidate tuples (weighted by how the drafter draws them) must give back p.  The `tree`
+method's dynamic trees are enumerated the same way, over every pick of candidates
+(`ScriptedChildren`), through the real `propose_tree`.
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ from typing import Callable, Iterator, TypeVar
 import pytest
 import torch
 
+import specstop.decoder.dynamic as dynamic
 import specstop.decoder.verify as verify
+from specstop.decoder.dynamic import propose_tree
+from specstop.decoder.policy import ConfidenceTree
 from specstop.decoder.sampling import Sampling
 from specstop.decoder.tree import Tree
+from specstop.decoder.tree_rule import TreeRule
 from specstop.decoder.verify import Verdict, mcss, residual, verify_tree
+from specstop.features import RoundContext, root_statistics
 
 TOL = 1e-10
 R = TypeVar("R")
@@ -519,3 +526,115 @@ def test_sampling_walk_stops_at_an_accepted_eos(scripted: ScriptedUniform) -> No
     assert verdict.path == [0, 2] and verdict.next_dist is None
     assert len(scripted.thresholds) == 2  # nothing below the EOS was tested
     assert verdict.labels.tolist() == [-1, 0, 1, -1, -1, -1, -1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamic trees (`tree`): which nodes are fed, hence the tree's shape, depends on the candidates
+
+
+class BigramDraft:
+    """A drafter whose logits after token a are log q[a] (nothing cached)."""
+
+    needs_target_hidden = False
+
+    def __init__(self, q: torch.Tensor) -> None:  # [V, V]
+        self.logits = q.log()
+
+    def step(self, tree: Tree, level: int, ids: torch.Tensor, root_position: int) -> torch.Tensor:
+        return self.logits[ids]
+
+
+class ScriptedChildren:
+    """Replaces `dynamic.draft_children`: each fed node's candidates are the tuple a script picks
+    among the `candidate_tuples` of its q (the first once the script is exhausted); records how
+    many tuples each pick chose from and the picks' joint probability."""
+
+    def __init__(self, wor: bool) -> None:
+        self.wor = wor
+        self.start([])
+
+    def start(self, script: list[int]) -> None:
+        self.script, self.options, self.prob = script, [], 1.0
+
+    def __call__(self, q: torch.Tensor, k: int, sampling: Sampling, without_replacement: bool,
+                 generator: torch.Generator | None) -> torch.Tensor:  # [m, V] -> [m, k]
+        assert without_replacement == self.wor
+        picks = []
+        for row in q.double():
+            tuples = candidate_tuples(row / row.sum(), k, self.wor)
+            i = len(self.options)
+            cands, prob = tuples[self.script[i] if i < len(self.script) else 0]
+            self.options.append(len(tuples))
+            self.prob *= prob
+            picks.append(cands)
+        return torch.tensor(picks)
+
+
+def drafted_trees(children: ScriptedChildren, run: Callable[[], R]) -> list[tuple[float, R]]:
+    """`run` once per pick of every fed node's candidates, with the picks' probability."""
+    leaves, stack = [], [[]]
+    while stack:
+        script = stack.pop()
+        children.start(script)
+        result = run()
+        picks = script + [0] * (len(children.options) - len(script))
+        leaves.append((children.prob, result))
+        for j in range(len(script), len(picks)):
+            stack.extend(picks[:j] + [alt] for alt in range(1, children.options[j]))
+    return leaves
+
+
+DYNAMIC_TOL = 1e-7  # the draft's q passes through float32 (`warp`), as in the decode loop
+# Feed the candidates whose path confidence exceeds 0.3 (the best one only); prune (greedy only)
+# those whose survival is below ~0.25.
+DYNAMIC_RULE = dict(expand=0.3, rho=0.5, max_width=1, verify_cost=(0.0, 1.0, 1.5))
+
+
+def dynamic_joint(scripted: ScriptedUniform, children: ScriptedChildren,
+                  branching: tuple[int, int], eos_id: int | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, set[tuple[int, ...]]]:
+    """(emitted joint [V, V+1] of the first two tokens after root 0, target-only decoding's,
+    every verify tree's parents) over every drafted tree and accept/reject branch."""
+    v, root = 4, 0
+    p, q = bigram(v, 1, zeros=1), bigram(v, 2, zeros=1)
+    policy = ConfidenceTree(TreeRule(branching, **DYNAMIC_RULE))
+    sampling = Sampling(temperature=1.0)
+    context = RoundContext(0, 0, 0.0, 0.0, root_statistics(p[root]))
+    joint, shapes = torch.zeros(v, v + 1, dtype=torch.float64), set()
+    for prob, (tree, proposal) in drafted_trees(children, lambda: propose_tree(
+            BigramDraft(q), policy, torch.tensor([root]), p[root].float(), 0, 2, context,
+            sampling, children.wor, None)):
+        ids = proposal.tokens
+        shapes.add(tuple(tree.parent.tolist()))
+        for leaf_prob, _, _, verdict in branches(scripted, lambda: verify_tree(
+                tree, proposal.depth, ids, p[ids], proposal.q, sampling, children.wor, eos_id,
+                None)):
+            joint += prob * leaf_prob * first_two_tokens(verdict, ids.tolist(), p, eos_id)
+    return joint, p[root][:, None] * continuation(p, eos_id), shapes
+
+
+@pytest.mark.parametrize("eos_id", [None, 1], ids=["no-eos", "eos"])
+@pytest.mark.parametrize("wor", [False, True], ids=["with-replacement", "without-replacement"])
+@pytest.mark.parametrize("branching", [(2, 2), (3, 1)])
+def test_dynamic_tree_emits_the_target_bigram(scripted: ScriptedUniform,
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              branching: tuple[int, int], wor: bool,
+                                              eos_id: int | None) -> None:
+    children = ScriptedChildren(wor)
+    monkeypatch.setattr(dynamic, "draft_children", children)
+    joint, expected, shapes = dynamic_joint(scripted, children, branching, eos_id)
+    assert len(shapes) > 2  # the shape followed the candidates
+    assert torch.allclose(joint, expected, atol=DYNAMIC_TOL, rtol=0), \
+        (joint - expected).abs().max()
+
+
+def test_pruning_a_sampled_dynamic_tree_is_biased(scripted: ScriptedUniform,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control (tree_rule.py): verifying only the candidates whose own survival is
+    worth it changes the output distribution when sampling; hence `exact_under`."""
+    children = ScriptedChildren(True)
+    monkeypatch.setattr(dynamic, "draft_children", children)
+    monkeypatch.setattr(TreeRule, "exact_under", lambda rule, greedy: rule)
+    joint, expected, _ = dynamic_joint(scripted, children, (2, 2), None)
+    assert abs(float(joint.sum()) - 1.0) < DYNAMIC_TOL
+    assert (joint - expected).abs().max() > 1e-3

@@ -1,0 +1,139 @@
+"""The `tree` method's round: a dynamic tree, expanded and cut by a `TreePolicy` (EAGLE-2 style).
+
+Three trees share the drafted tree's level-major node order:
+- S, the drafted tree: the root, then each draft step's candidates (the top `branching[d]`
+  children of every node fed at that step), each with its survival s, the product of the
+  policy's p-hat along its path (`tree_rule.py`);
+- F, the fed tree: the root and the candidates `feed` expanded; the draft's cache holds it, one
+  draft step per level;
+- V, the verify tree: the root and the candidates `verify_set` keeps (all of them when
+  sampling); the loop scores, verifies and commits it as it does a static tree.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from specstop.features import RoundContext, draft_features, feature_index
+
+from .contracts import Proposal
+from .drafter import Drafter, draft_children
+from .policy import TreePolicy
+from .sampling import Sampling, warp
+from .tree import Tree
+from .tree_rule import feed, verify_set
+
+PATH_CONFIDENCE = feature_index("path_confidence")
+
+
+def propose_tree(
+    drafter: Drafter,
+    policy: TreePolicy,
+    root: torch.Tensor,  # [1] long
+    r: torch.Tensor,  # [V] the distribution the root was drawn from
+    root_position: int,
+    levels: int,  # >= 1, the deepest level the budget allows
+    context: RoundContext,
+    sampling: Sampling,
+    without_replacement: bool,
+    generator: torch.Generator | None,
+) -> tuple[Tree, Proposal]:
+    """Draft S below `root` level by level while `feed` expands some candidate, then cut it to
+    V with `verify_set`; returns V and its Proposal."""
+    rule = policy.tree_rule.exact_under(sampling.greedy)
+    levels = min(levels, rule.max_depth)
+    drafted, frontier, decision = DraftedTree(root), np.zeros(1, dtype=np.int64), 0.0
+    for depth in range(levels):
+        rows = torch.from_numpy(frontier)  # S indices of the nodes fed now
+        logits = drafter.step(drafted.fed_tree(), depth, drafted.tokens[rows], root_position)
+        q = warp(logits, sampling)  # [m, V]
+        kids = draft_children(q, rule.branching[depth], sampling, without_replacement, generator)
+        n = kids.numel()
+        start = time.perf_counter()  # a decision: the candidates' features, p-hat, the rule
+        features = draft_features(q, kids, depth + 1, torch.zeros(n), r[root].expand(n),
+                                  drafted.confidence[rows], context)
+        p_hat = policy.probabilities(features).double().cpu().numpy()
+        survival = np.repeat(drafted.survival[frontier], kids.shape[1]) * p_hat
+        expand = feed(survival, rule) if depth + 1 < levels else np.zeros(n, dtype=bool)
+        decision += time.perf_counter() - start
+        frontier = drafted.add(frontier, q, kids, features, survival, expand)
+        if frontier.size == 0:
+            break
+    start = time.perf_counter()
+    keep = verify_set(*drafted.candidates(), rule)
+    decision += time.perf_counter() - start
+    return drafted.verify_proposal(keep, root_position, decision)
+
+
+class DraftedTree:
+    """The drafted tree S of one round as it grows, one level per draft step (node 0 the root).
+
+    Per node [n]: `tokens`, `confidence` (the draft's path confidence), `parent` (-1 for the
+    root), `rank` among siblings, `survival`, `fed` (index in F, -1 if not fed); F's own
+    `fed_parent` [|F|]; per draft step, the fed nodes' draft distributions q [m, V] (F order)
+    and the candidates' features [m * k, F].
+    """
+
+    def __init__(self, root: torch.Tensor) -> None:
+        self.tokens = root
+        self.confidence = torch.ones(1, device=root.device)
+        self.parent = np.array([-1])
+        self.rank = np.zeros(1, dtype=np.int64)
+        self.survival = np.ones(1)
+        self.fed = np.zeros(1, dtype=np.int64)
+        self.fed_parent = np.array([-1])
+        self.q: list[torch.Tensor] = []
+        self.features: list[torch.Tensor] = []
+
+    def fed_tree(self) -> Tree:
+        """F: the draft's cache order (its last level is fed next)."""
+        return Tree.from_parents(self.fed_parent)
+
+    def add(self, frontier: np.ndarray, q: torch.Tensor, kids: torch.Tensor,
+            features: torch.Tensor, survival: np.ndarray, expand: np.ndarray) -> np.ndarray:
+        """Append one step's candidates: `kids` [m, k] of the nodes `frontier` [m] (fed with q
+        [m, V]), their features [m * k, F] and survival [m * k]; `expand` [m * k] bool marks
+        those fed next, whose indices [<= m * k] are returned."""
+        m, k = kids.shape
+        first, parent = len(self.parent), np.repeat(frontier, k)
+        fed = np.full(m * k, -1)
+        fed[expand] = len(self.fed_parent) + np.arange(int(expand.sum()))
+        self.fed_parent = np.concatenate([self.fed_parent, self.fed[parent[expand]]])
+        self.fed = np.concatenate([self.fed, fed])
+        self.parent = np.concatenate([self.parent, parent])
+        self.rank = np.concatenate([self.rank, np.tile(np.arange(k), m)])
+        self.survival = np.concatenate([self.survival, survival])
+        self.tokens = torch.cat([self.tokens, kids.flatten()])
+        self.confidence = torch.cat([self.confidence, features[:, PATH_CONFIDENCE]])
+        self.q.append(q)
+        self.features.append(features)
+        return first + np.flatnonzero(expand)
+
+    def candidates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`verify_set`'s view of the drafted nodes below the root [n - 1]: survival, parent
+        and previous sibling (candidate indices, -1 for none)."""
+        index = np.arange(len(self.parent) - 1)
+        previous_sibling = np.where(self.rank[1:] > 0, index - 1, -1)
+        return self.survival[1:], self.parent[1:] - 1, previous_sibling
+
+    def verify_proposal(self, keep: np.ndarray, root_position: int,
+                        decision_seconds: float) -> tuple[Tree, Proposal]:
+        """V (the root and the candidates `keep` [n - 1] bool) and its Proposal: q rows of V's
+        fed nodes (zero rows for the others), the kept candidates' features by level."""
+        nodes = np.concatenate([[0], 1 + np.flatnonzero(keep)])  # V's nodes in S
+        in_v = np.full(len(self.parent), -1)
+        in_v[nodes] = np.arange(len(nodes))
+        parent = self.parent[nodes]
+        tree = Tree.from_parents(np.where(parent >= 0, in_v[parent], -1))
+        nodes_t = torch.from_numpy(nodes).to(self.tokens.device)
+        fed = torch.from_numpy(self.fed[nodes])
+        q = torch.cat([*self.q, self.q[0].new_zeros(1, self.q[0].shape[1])])  # -1: a zero row
+        q = q[fed[: tree.size(tree.max_depth - 1)].to(q.device)]
+        level_sizes = np.diff(tree.level_start[1:]).tolist()
+        features = torch.cat(self.features)[nodes_t[1:] - 1].split(level_sizes)
+        return tree, Proposal(self.tokens[nodes_t], tree.max_depth, root_position, q,
+                              tuple(features), fed, len(self.q), len(self.parent) - 1,
+                              decision_seconds)

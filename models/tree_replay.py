@@ -1,0 +1,307 @@
+"""Replay of tree policies on logged superset rounds: static shapes, Sequoia, dynamic trees, oracle.
+
+Stage `collect` logs a superset tree per round: the top-k children of every node down to the
+maximum depth (`collect.method: mcsd`, `mcsd_branching`, then chains).  Under greedy decoding a
+node is accepted iff its parent is and its token is the target's argmax at the parent (label 1),
+whatever else the tree holds, so one log scores every sub-tree of it exactly: a policy that
+verifies the ancestor-closed set K yields 1 + |accepted in K| tokens and costs its draft steps
+(one per level fed, at the width fed, decision latency included) plus one target pass over
+1 + |K| tokens (`TreeCosts`, measured, in target one-token steps).  Policies:
+
+- static: a shape (children per node at levels 1, 2, 3, then 1; a depth), the same every round:
+  chains (`sd`), `ti-mcsd` (3, 1, ...), `mcsd` (2, 2, ...) and every other shape of the grid;
+- Sequoia (arXiv 2402.12374): the static tree of n nodes maximising the expected accepted
+  tokens from acceptance-by-(depth, rank) statistics of the training rows (the n most likely
+  nodes, closed under parents and earlier siblings), n tuned by replay;
+- dynamic (`decoder.tree_rule`): per-node survival from a probability (the draft's own: EAGLE-2;
+  a learned model), expand and verify as the runtime does, (expand, max_width) on a grid and
+  rho by Dinkelbach's iteration;
+- oracle: drafts and verifies exactly the accepted path, or nothing, knowing it in advance.
+
+Rounds are replayed as independent samples, as in `models.simulate`; context features (accepted
+history) were logged under the superset policy, not the replayed one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from specstop.decoder.costs import CostModel
+from specstop.decoder.tree import Tree
+from specstop.decoder.tree_rule import TreeRule, verify_cost_table
+
+from .data import ROUND_KEYS
+from .simulate import _parent_rows
+
+EXPAND_GRID = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9)
+WIDTH_GRID = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class TreeCosts:
+    """What a round pays, in target one-token steps."""
+
+    verify: np.ndarray  # [N + 1] pass over n tokens (index 0 unused)
+    step: np.ndarray  # [W + 1] draft step feeding w nodes, decision included (index 0: 0)
+
+    @classmethod
+    def from_model(cls, costs: CostModel, nodes: int, widths: int, extra: float = 0.0
+                   ) -> "TreeCosts":
+        """`extra` seconds per decision (a learned model's latency) on top of the features'."""
+        verify = np.array(verify_cost_table(costs.target, nodes + 1))
+        step = np.array([0.0] + [costs.draft_step(w, extra) for w in range(1, widths + 1)])
+        return cls(verify, step)
+
+    def rule(self, branching: tuple[int, ...], expand: float, rho: float, width: int
+             ) -> TreeRule:
+        return TreeRule(branching, expand, rho, width, tuple(self.verify.tolist()))
+
+
+@dataclass(frozen=True)
+class TreeResult:
+    speedup: float  # tokens per target step of time, i.e. vs ar
+    tokens_per_round: float
+    verified: float  # mean nodes verified below the root
+    draft_steps: float  # mean draft steps per round
+
+    def as_dict(self) -> dict:
+        return {"simulated_speedup": self.speedup, "tokens_per_call": self.tokens_per_round,
+                "verified_nodes": self.verified, "draft_steps": self.draft_steps}
+
+
+@dataclass(frozen=True)
+class Tuned:
+    name: str
+    result: TreeResult
+    setting: dict  # the shape, or the rule's expand, max_width, rho
+    curve: list[tuple[float, float]]  # (mean verified nodes, speedup) over the budget swept
+
+
+@dataclass(frozen=True)
+class TreeReplay:
+    """The logged superset rounds of one split, rows in tree order within each round."""
+
+    tree: Tree  # the superset tree
+    round_index: np.ndarray  # [n]
+    level: np.ndarray  # [n] 1 = first drafted
+    node: np.ndarray  # [n] index in `tree`
+    parent_row: np.ndarray  # [n] -1 for children of the root
+    sibling_group: np.ndarray  # [n] id of (round, parent)
+    accepted: np.ndarray  # [n] bool, hard label 1
+    cap: np.ndarray  # [R] deepest logged level
+
+    @classmethod
+    def from_rows(cls, rows: pd.DataFrame, branching: tuple[int, ...]) -> "TreeReplay":
+        round_index = rows.groupby(ROUND_KEYS, sort=False, observed=True).ngroup().to_numpy()
+        node, parent = rows["node"].to_numpy().astype(np.int64), rows["parent"].to_numpy()
+        level = rows["depth"].to_numpy().astype(np.int64)
+        cap = np.zeros(round_index.max() + 1, dtype=np.int64)
+        np.maximum.at(cap, round_index, level)
+        tree = Tree(1, branching[: int(level.max())])
+        groups = pd.Series(round_index * (len(tree.parent) + 1) + parent + 1).factorize()[0]
+        return cls(tree, round_index, level, node, _parent_rows(round_index, node, parent),
+                   groups, rows["label"].to_numpy() == 1, cap)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.cap)
+
+    @property
+    def max_depth(self) -> int:
+        return self.tree.max_depth
+
+    # ---- scoring -------------------------------------------------------------------------
+
+    def score(self, kept: np.ndarray, fed: np.ndarray, costs: TreeCosts) -> TreeResult:
+        """Replay: `kept` [n] verified rows, `fed` [R, max_depth] nodes fed per level (0: root)."""
+        verified = np.bincount(self.round_index, kept, self.rounds)
+        tokens = 1 + np.bincount(self.round_index, kept & self.accepted, self.rounds)
+        cost = costs.step[fed].sum(axis=1) + costs.verify[1 + verified.astype(np.int64)]
+        return TreeResult(float(tokens.sum() / cost.sum()), float(tokens.mean()),
+                          float(verified.mean()), float((fed > 0).sum(axis=1).mean()))
+
+    def _fed_widths(self, fed_rows: np.ndarray, root: np.ndarray) -> np.ndarray:
+        """[R, max_depth] nodes fed per level: the root (0/1), then the fed rows by level."""
+        widths = np.zeros((self.rounds, self.max_depth), dtype=np.int64)
+        widths[:, 0] = root
+        rows = np.flatnonzero(fed_rows)
+        np.add.at(widths, (self.round_index[rows], self.level[rows]), 1)
+        return widths
+
+    def static(self, nodes: np.ndarray, costs: TreeCosts) -> TreeResult:
+        """A fixed ancestor-closed set of the superset tree's nodes ([N] bool) every round."""
+        kept = nodes[self.node]
+        fed = np.zeros(len(kept), dtype=bool)
+        inner = kept & (self.parent_row >= 0)
+        fed[self.parent_row[inner]] = True
+        root = np.bincount(self.round_index, kept & (self.level == 1), self.rounds) > 0
+        return self.score(kept, self._fed_widths(fed, root), costs)
+
+    def dynamic(self, p: np.ndarray, rule: TreeRule, costs: TreeCosts) -> TreeResult:
+        """The runtime's rule (`decoder.tree_rule`) with per-row acceptance probabilities p."""
+        s = self.survival(p)
+        candidate = self.level == 1
+        fed = np.zeros(len(s), dtype=bool)
+        for d in range(1, self.max_depth):
+            room = d < self.cap[self.round_index]  # the budget allows another level
+            ok = candidate & (self.level == d) & (s > rule.expand) & room
+            fed |= ok & (_rank_within(self.round_index, s, ok) < rule.max_width)
+            below = (self.level == d + 1) & (self.parent_row >= 0)
+            candidate[below] = fed[self.parent_row[below]]
+        kept = self._verify(s, candidate, rule) if rule.prune else candidate
+        root = np.ones(self.rounds, dtype=np.int64)
+        return self.score(kept, self._fed_widths(fed, root), costs)
+
+    def survival(self, p: np.ndarray) -> np.ndarray:
+        """[n] product of p along each row's path from level 1."""
+        s = p.astype(np.float64).copy()
+        for d in range(2, self.max_depth + 1):
+            rows = np.flatnonzero((self.level == d) & (self.parent_row >= 0))
+            s[rows] *= s[self.parent_row[rows]]
+        return s
+
+    def _verify(self, s: np.ndarray, candidate: np.ndarray, rule: TreeRule) -> np.ndarray:
+        """`tree_rule.verify_set` of every round at once: the n best candidates by the closed
+        survival, n maximising sum(s) - rho * verify_cost[1 + n]."""
+        key = np.where(candidate, s, -np.inf)
+        for d in range(1, self.max_depth + 1):
+            rows = np.flatnonzero(self.level == d)
+            inner = rows[self.parent_row[rows] >= 0]
+            key[inner] = np.minimum(key[inner], key[self.parent_row[inner]])
+            key[rows] = pd.Series(key[rows]).groupby(self.sibling_group[rows]).cummin().to_numpy()
+        rows = np.flatnonzero(candidate)
+        order = rows[np.lexsort((rows, -key[rows], self.round_index[rows]))]
+        rounds = self.round_index[order]
+        position = pd.Series(rounds).groupby(rounds).cumcount().to_numpy() + 1
+        gain = pd.Series(s[order]).groupby(rounds).cumsum().to_numpy()
+        cost = np.array([rule.cost(1 + k) for k in range(int(position.max(initial=0)) + 1)])
+        # cost[k]: a pass over the root and k nodes
+        value = gain - rule.rho * cost[position]
+        nothing = -rule.rho * rule.cost(1)  # the root alone
+        best = np.full(self.rounds, nothing)
+        np.maximum.at(best, rounds, value)
+        hit = value >= best[rounds]  # the first n reaching the best, as np.argmax
+        first = np.full(self.rounds, np.iinfo(np.int64).max)
+        np.minimum.at(first, rounds[hit], position[hit])
+        chosen = np.where(best > nothing, first, 0)
+        kept = np.zeros(len(s), dtype=bool)
+        kept[order[position <= chosen[rounds]]] = True
+        return kept
+
+    def oracle(self, costs: TreeCosts, iterations: int = 10) -> TreeResult:
+        """Per round, the prefix of the accepted path (or nothing) maximising tokens - rho *
+        cost, rho the resulting speed (Dinkelbach): the bound no policy on these rounds beats."""
+        accepted = np.bincount(self.round_index, self.accepted, self.rounds).astype(np.int64)
+        k = np.arange(self.max_depth + 1)
+        cost = np.where(k == 0, costs.verify[1], k * costs.step[1] + costs.verify[1 + k])
+        rho, choice = 1.0, np.zeros(self.rounds, dtype=np.int64)
+        for _ in range(iterations):
+            value = np.where(k[None, :] <= accepted[:, None], k + 1 - rho * cost[None, :], -np.inf)
+            choice = np.argmax(value, axis=1)
+            rho = float((choice + 1).sum() / cost[choice].sum())
+        return TreeResult(rho, float((choice + 1).mean()), float(choice.mean()),
+                          float(choice.mean()))
+
+
+def _rank_within(groups: np.ndarray, score: np.ndarray, among: np.ndarray) -> np.ndarray:
+    """[n] rank of each row `among` its group by score (descending, ties by index); others big."""
+    rows = np.flatnonzero(among)
+    order = rows[np.lexsort((rows, -score[rows], groups[rows]))]
+    rank = np.full(len(score), np.iinfo(np.int64).max)
+    rank[order] = pd.Series(groups[order]).groupby(groups[order]).cumcount().to_numpy()
+    return rank
+
+
+# ---- policies ------------------------------------------------------------------------------
+
+
+def shape_nodes(tree: Tree, widths: tuple[int, ...], depth: int) -> np.ndarray:
+    """[N] bool: the superset nodes of a static shape (children per node at levels 1..len(widths),
+    then 1) cut at `depth`."""
+    limit = [widths[d - 1] if d <= len(widths) else 1 for d in range(1, tree.max_depth + 1)]
+    ok = np.zeros(len(tree.parent), dtype=bool)
+    ok[0] = True
+    for i in range(1, len(tree.parent)):
+        d = int(tree.depth[i])
+        ok[i] = ok[int(tree.parent[i])] and int(tree.rank[i]) < limit[d - 1] and d <= depth
+    return ok
+
+
+def best_static(replay: TreeReplay, costs: TreeCosts) -> dict[str, Tuned]:
+    """The fastest chain (`sd`), `ti-mcsd`-like and general shape of the grid."""
+    branching = replay.tree.branching
+    grid = [(w1, w2, w3) for w1 in range(1, branching[0] + 1)
+            for w2 in range(1, (branching[1] if len(branching) > 1 else 1) + 1)
+            for w3 in range(1, (branching[2] if len(branching) > 2 else 1) + 1)]
+    results = {(w, d): replay.static(shape_nodes(replay.tree, w, d), costs)
+               for w in grid for d in range(1, replay.max_depth + 1)}
+
+    def best(name: str, shapes: list[tuple[tuple[int, ...], int]]) -> Tuned:
+        (w, d) = max(shapes, key=lambda s: results[s].speedup)
+        curve = sorted((results[s].verified, results[s].speedup) for s in shapes)
+        return Tuned(name, results[(w, d)], {"widths": list(w), "depth": d}, curve)
+
+    depths = range(1, replay.max_depth + 1)
+    chains = [((1, 1, 1), d) for d in depths]
+    ti = [((w, 1, 1), d) for w in range(2, branching[0] + 1) for d in depths]
+    out = {"static_chain": best("static_chain", chains), "static_tree": best("static_tree",
+                                                                             list(results))}
+    if ti:
+        out["static_ti_mcsd"] = best("static_ti_mcsd", ti)
+    return out
+
+
+def sequoia(replay: TreeReplay, train: TreeReplay, costs: TreeCosts) -> Tuned:
+    """The Sequoia static tree: node value = product of acceptance by (depth, rank) along its
+    path (training rows), the n best nodes (closed under parents and earlier siblings)."""
+    tree = replay.tree
+    labelled = train.parent_row < 0
+    labelled |= train.accepted[np.clip(train.parent_row, 0, None)] & (train.parent_row >= 0)
+    rank, depth = tree.rank[train.node].numpy(), train.level
+    table = pd.DataFrame({"d": depth[labelled], "r": rank[labelled],
+                          "a": train.accepted[labelled]}).groupby(["d", "r"])["a"].mean()
+    value = np.ones(len(tree.parent))
+    for i in range(1, len(tree.parent)):
+        d, r = int(tree.depth[i]), int(tree.rank[i])
+        value[i] = value[int(tree.parent[i])] * table.get((d, r), 0.0)
+        if r > 0:
+            value[i] = min(value[i], value[i - 1])  # an earlier sibling first
+    order = np.lexsort((np.arange(len(value)), -value))
+    results = []
+    for n in range(1, len(value)):
+        nodes = np.zeros(len(value), dtype=bool)
+        nodes[order[: n + 1]] = True  # the root and n nodes
+        results.append((n, replay.static(nodes, costs)))
+    n, result = max(results, key=lambda r: r[1].speedup)
+    return Tuned("sequoia", result, {"nodes": n},
+                 [(r.verified, r.speedup) for _, r in results])
+
+
+def tune_dynamic(name: str, replay: TreeReplay, p: np.ndarray, costs: TreeCosts,
+                 start_rho: float, iterations: int = 4) -> tuple[Tuned, TreeRule]:
+    """(expand, max_width) over the grid, rho by Dinkelbach from `start_rho`; the curve sweeps
+    rho (the node budget) at the best (expand, max_width)."""
+    widths = [w for w in WIDTH_GRID if w < len(costs.step)]
+    best: tuple[TreeResult, TreeRule] | None = None
+    for expand in EXPAND_GRID:
+        for width in widths:
+            rho = start_rho
+            for _ in range(iterations):
+                rule = costs.rule(replay.tree.branching, expand, rho, width)
+                result = replay.dynamic(p, rule, costs)
+                if best is None or result.speedup > best[0].speedup:
+                    best = (result, rule)
+                if abs(result.speedup - rho) < 1e-6:
+                    break
+                rho = result.speedup
+    result, rule = best
+    curve = []
+    for factor in (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0):
+        swept = replay.dynamic(p, costs.rule(rule.branching, rule.expand, rule.rho * factor,
+                                             rule.max_width), costs)
+        curve.append((swept.verified, swept.speedup))
+    setting = {"expand": rule.expand, "max_width": rule.max_width, "rho": rule.rho}
+    return Tuned(name, result, setting, sorted(curve)), rule

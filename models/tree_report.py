@@ -1,0 +1,129 @@
+"""Stage `train`'s tree comparison: every tree policy in one replay of the val rounds.
+
+Static shapes (chains, `ti-mcsd`-like, the grid), Sequoia's tree, the EAGLE-2-style dynamic
+tree (the draft's own confidence as survival) and each family's dynamic tree, under one cost
+model and the oracle (`models.tree_replay`).  "Best static" is the fastest static entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from specstop.decoder.costs import CostModel
+from specstop.decoder.tree_rule import TreeRule
+
+from . import plots
+from .tree_replay import (WIDTH_GRID, TreeCosts, TreeReplay, TreeResult, Tuned, best_static,
+                          sequoia, tune_dynamic)
+
+STATIC = ("static_chain", "static_ti_mcsd", "static_tree", "sequoia")
+CONFIDENCE_TREE = "confidence_tree"
+TARGETS = {"10pct_over_best_static": ("vs_best_static", 1.10),  # the issue's replay targets
+           "5pct_over_confidence_tree": ("vs_confidence_tree", 1.05),
+           "92pct_of_oracle": ("fraction_of_oracle", 0.92)}
+
+
+@dataclass(frozen=True)
+class TreeComparison:
+    tuned: dict[str, Tuned]  # every policy by name (families by their family name)
+    rules: dict[str, TreeRule]  # the dynamic policies' tuned rules
+    oracle: TreeResult
+    families: tuple[str, ...]
+    replay: TreeReplay  # the val rounds
+    costs: CostModel
+
+    def tune(self, name: str, p: np.ndarray, latency: float) -> tuple[Tuned, TreeRule]:
+        """A dynamic tree for per-row probabilities p on these rounds, `latency` seconds
+        charged per draft step, rho started at the best static speed."""
+        start = self.tuned[self.best_static].result.speedup
+        return tune_dynamic(name, self.replay, p, _tree_costs(self.costs, self.replay, latency),
+                            start)
+
+    @property
+    def best_static(self) -> str:
+        return max((n for n in STATIC if n in self.tuned),
+                   key=lambda n: self.tuned[n].result.speedup)
+
+    @property
+    def winner(self) -> str | None:
+        """The fastest family's dynamic tree."""
+        if not self.families:
+            return None
+        return max(self.families, key=lambda f: self.tuned[f].result.speedup)
+
+    def metrics(self) -> dict:
+        """metrics/train.json's `replay` section (CONTRACTS.md)."""
+        static = self.tuned[self.best_static].result.speedup
+        confidence = self.tuned[CONFIDENCE_TREE].result.speedup
+        out = {"best_static": {"method": self.best_static, "simulated_speedup": static},
+               "oracle": self.oracle.as_dict(),
+               "policies": {n: {**t.result.as_dict(), **t.setting,
+                                "vs_best_static": t.result.speedup / static,
+                                "fraction_of_oracle": t.result.speedup / self.oracle.speedup}
+                            for n, t in self.tuned.items()}}
+        if self.winner is not None:
+            speed = self.tuned[self.winner].result.speedup
+            winner = {"family": self.winner, "simulated_speedup": speed,
+                      "vs_best_static": speed / static, "vs_confidence_tree": speed / confidence,
+                      "fraction_of_oracle": speed / self.oracle.speedup}
+            out["winner"] = winner
+            out["targets"] = {key: winner[name] >= bound
+                              for key, (name, bound) in TARGETS.items()}
+        return out
+
+
+def branching(costs: CostModel) -> tuple[int, ...]:
+    """Children per node by level of the logged tree (one root), from its sizes by depth."""
+    widths = np.diff((0, *costs.tree_sizes))
+    return tuple(int(b // a) for a, b in zip(widths, widths[1:]))
+
+
+def compare(train: pd.DataFrame, val: pd.DataFrame, costs: CostModel, q_token: np.ndarray,
+            families: dict[str, tuple[np.ndarray, float]]) -> TreeComparison:
+    """Every policy on the val rows; `families` maps a family to (p of every val row, its
+    decision latency in seconds, charged per draft step)."""
+    shape = branching(costs)
+    replay, train_replay = TreeReplay.from_rows(val, shape), TreeReplay.from_rows(train, shape)
+    base = _tree_costs(costs, replay, 0.0)
+    static = {**best_static(replay, base), "sequoia": sequoia(replay, train_replay, base)}
+    comparison = TreeComparison(static, {}, replay.oracle(base), tuple(families), replay, costs)
+    for name, (p, latency) in {CONFIDENCE_TREE: (q_token, 0.0), **families}.items():
+        comparison.tuned[name], comparison.rules[name] = comparison.tune(name, p, latency)
+    return comparison
+
+
+def _tree_costs(costs: CostModel, replay: TreeReplay, latency: float) -> TreeCosts:
+    """The cost tables for every tree of the replay: passes up to the superset's size, draft
+    steps up to its widest level or the widest width tried."""
+    widest = max(max(WIDTH_GRID), *np.diff((0, *costs.tree_sizes)))
+    return TreeCosts.from_model(costs, len(replay.tree.parent), int(widest), latency)
+
+
+def budget_figure(comparison: TreeComparison) -> Figure:
+    """Speed vs mean verified nodes per round, every policy (static: its shapes; dynamic: rho
+    swept around the tuned one)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for name, tuned in comparison.tuned.items():
+        if tuned.curve:
+            ax.plot(*zip(*tuned.curve), marker=".", label=name,
+                    linestyle=":" if name in STATIC else "-")
+    ax.axhline(comparison.oracle.speedup, color="black", linestyle="--", label="oracle")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set(xlabel="verified nodes per round (mean)", ylabel="simulated speedup vs ar",
+           title="Tree policies on val: speed vs node budget")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def write_plot_data(comparison: TreeComparison, folder: Path) -> None:
+    for name, tuned in comparison.tuned.items():
+        plots.write_csv(folder / "tree_budget" / f"{name}.csv", ["verified_nodes", "speedup"],
+                        tuned.curve)
