@@ -51,15 +51,6 @@ class TreeRule:
     def max_depth(self) -> int:
         return len(self.branching)
 
-    @property
-    def max_nodes(self) -> int:
-        """Nodes a round may draft below the root, at most."""
-        fed, total = 1, 0
-        for k in self.branching:
-            total += fed * k
-            fed = min(fed * k, self.max_width)
-        return total
-
     def exact_under(self, greedy: bool) -> "TreeRule":
         """The rule as exact decoding applies it: `prune` only under greedy decoding."""
         return self if greedy or not self.prune else replace(self, prune=False)

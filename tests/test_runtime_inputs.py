@@ -269,8 +269,9 @@ STOP_MODELS: dict[str, tuple[Callable[[], nn.Module], str]] = {
     "two-outputs-per-row": (lambda: nn.Linear(F, 2),
                             "the model returns [3, 2] for 3 rows, not one probability per row"),
     "a-column": (lambda: nn.Linear(F, 1), "the model returns [3, 1] for 3 rows"),
-    "out-of-range": (OutOfRange, "the model returns [3.0, 15.0, 27.0] for 3 rows, not "
-                                 "probabilities in [0, 1]"),
+    # the probe's rows are 0, 0.5, 1 in every column but depth (1, 2, 3): sums + 2
+    "out-of-range": (OutOfRange, f"the model returns [3.0, {0.5 * (F - 1) + 4.0}, {F + 4.0}] "
+                                 "for 3 rows, not probabilities in [0, 1]"),
     "not-finite": (NotFinite, "the model returns [nan, nan, nan] for 3 rows, not probabilities"),
 }
 
