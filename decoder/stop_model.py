@@ -135,6 +135,14 @@ class LearnedPolicy:
                 f"{per_call:.3f} ms per decision over {self.calls} decisions")
 
 
+    def tree_summary(self, decision_seconds: float, seconds: float) -> str:
+        """One line on the `tree` method's use of the model (its decisions' share of a run)."""
+        rule, share = self.tree_rule, decision_seconds / seconds if seconds > 0 else 0.0
+        return (f"stop model: {self.meta['family']}, tree rule (expand {rule.expand:.3g}, max "
+                f"width {rule.max_width}, rho {rule.rho:.4g}); decisions {100 * share:.2f}% of "
+                f"the decode time")
+
+
 def load_stop_model(path: Path) -> LearnedPolicy:
     """The stopping policy of an exported file (`specstop export`), checked against the schema
     and on a probe batch."""

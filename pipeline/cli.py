@@ -124,9 +124,11 @@ def _generate(args: argparse.Namespace, params: Params) -> None:
     prompt = runtime.encode(args.prompt, chat=not args.no_chat)
     generation = runtime.generate(prompt, config, policy, decode.seed)
     print(runtime.tokenizer.decode(generation.tokens, skip_special_tokens=True))
+    stats = generation.stats
     if isinstance(policy, LearnedPolicy):
-        print(policy.summary())
-    print(generation.stats.summary())
+        print(policy.tree_summary(stats.decision_seconds, stats.seconds)
+              if config.method == "tree" else policy.summary())
+    print(stats.summary())
 
 
 def _workspace(args: argparse.Namespace, raw: dict) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -270,3 +271,19 @@ def test_generate_with_a_stop_model(tmp_path, tiny_model_dir):
     result = run_specstop([*argv, "--stop-model", str(bad)], tmp_path)
     assert result.returncode != 0 and len(result.stderr.splitlines()) == 1
     assert "feature schema version" in result.stderr
+
+
+def test_generate_a_dynamic_tree_with_a_stop_model(tmp_path, tiny_model_dir):
+    model = write_stop_model(tmp_path / "stop_model.pt")
+    argv = ["generate", "--method", "tree", "--target", str(tiny_model_dir), "--draft",
+            str(tiny_model_dir), "--dtype", "float32", "--max-new-tokens", "8", "--prompt", "hi"]
+    result = run_specstop([*argv, "--stop-model", str(model)], tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert SUMMARY.fullmatch(lines[-1])
+    assert re.fullmatch(r"stop model: logistic, tree rule \(expand 0\.3, max width 2, rho 0\.8\); "
+                        r"decisions \d+\.\d\d% of the decode time", lines[-2]), lines[-2]
+    result = run_specstop(argv, tmp_path)
+    assert result.returncode != 0 and result.stderr.strip().endswith(
+        "--method tree needs --stop-model FILE (an exported decision model; its tree rule "
+        "decides what to draft and verify)")
