@@ -58,7 +58,6 @@ class Plan:
     confidence: float
     winner: LearnedPolicy
     families: dict[str, LearnedPolicy]  # the other exported families
-    tree_winner: LearnedPolicy  # the winner again, for its dynamic tree (timed in DecodeStats)
     confidence_tree: TreeRule  # the EAGLE-2-style tree's tuned rule (the draft's confidence)
     static_tree: dict  # the replay's best static shape: {"widths": [...], "depth": d}
     simulated: dict[str, float]  # method -> simulated speedup on val (greedy)
@@ -187,7 +186,6 @@ def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
                 confidence=float(train["confidence"]["parameter"]),
                 winner=winner,
                 families=families,
-                tree_winner=load_stop_model(config.export / WINNER_FILE),
                 confidence_tree=TreeRule.from_dict(summary["confidence_tree_rule"]),
                 static_tree={"widths": trees["static_tree"]["widths"],
                              "depth": trees["static_tree"]["depth"]},
@@ -258,7 +256,7 @@ def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan, peers: Peers | No
         decoder_method(runtime, cfg("tree"), ConfidenceTree(plan.confidence_tree),
                        "tree+confidence"),
         *[decoder_method(runtime, cfg("tree"), p, f"tree+{f}") for f, p in plan.families.items()],
-        decoder_method(runtime, cfg("tree"), plan.tree_winner, "tree+stop_model"),
+        decoder_method(runtime, cfg("tree"), plan.winner, "tree+stop_model"),
         decoder_method(runtime, cfg("ti-mcsd", lossy=True), FixedDepth(plan.static_gamma),
                        "ti-mcsd-lossy"),  # static: the models never saw lossy rounds
     ]

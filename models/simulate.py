@@ -59,7 +59,7 @@ class Replay:
         """`rows` ordered by (prompt, round, node), as `models.data.Split.rows`."""
         round_index = rows.groupby(ROUND_KEYS, sort=False).ngroup().to_numpy()
         level = rows["depth"].to_numpy().astype(np.int64)
-        parent_row = _parent_rows(round_index, rows["node"].to_numpy(), rows["parent"].to_numpy())
+        parent_row = parent_rows(round_index, rows["node"].to_numpy(), rows["parent"].to_numpy())
         cap = np.zeros(round_index.max() + 1, dtype=np.int64)
         np.maximum.at(cap, round_index, level)
         accept = ((rows["label"] == 1) if label == "hard" else rows["soft_label"]).to_numpy(float)
@@ -124,7 +124,8 @@ class Replay:
         return depth
 
 
-def _parent_rows(round_index: np.ndarray, node: np.ndarray, parent: np.ndarray) -> np.ndarray:
+def parent_rows(round_index: np.ndarray, node: np.ndarray, parent: np.ndarray) -> np.ndarray:
+    """[n] the row of each row's parent within its round, -1 where the parent is a root."""
     width = int(node.max()) + 1
     lookup = np.full((round_index.max() + 1) * width, -1, dtype=np.int64)
     lookup[round_index * width + node] = np.arange(len(node))

@@ -34,7 +34,7 @@ from specstop.decoder.tree import Tree
 from specstop.decoder.tree_rule import TreeRule, verify_cost_table
 
 from .data import ROUND_KEYS
-from .simulate import _parent_rows
+from .simulate import parent_rows
 
 EXPAND_GRID = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9)
 WIDTH_GRID = (1, 2, 4, 8)
@@ -102,7 +102,7 @@ class TreeReplay:
         np.maximum.at(cap, round_index, level)
         tree = Tree(1, branching[: int(level.max())])
         groups = pd.Series(round_index * (len(tree.parent) + 1) + parent + 1).factorize()[0]
-        return cls(tree, round_index, level, node, _parent_rows(round_index, node, parent),
+        return cls(tree, round_index, level, node, parent_rows(round_index, node, parent),
                    groups, rows["label"].to_numpy() == 1, cap)
 
     @property
