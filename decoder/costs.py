@@ -134,8 +134,8 @@ def measure_costs(target: KVModel, draft: KVModel | None, tree: Tree, repeats: i
                            for d in range(tree.max_depth)} | set(step_widths))
     verify = measure_verify_costs(target, "target", sorted(set(tree_sizes) | set(verify_widths)),
                                   repeats=repeats)
-    result = {"tree_sizes": tree_sizes, "branching": list(tree.branching),
-              "threads": torch.get_num_threads(), "target": asdict(verify)}
+    result = {"tree_sizes": tree_sizes, "threads": torch.get_num_threads(),
+              "target": asdict(verify)}
     if draft is not None:
         step = measure_verify_costs(draft, "draft", level_widths, repeats=repeats)
         result["draft"] = asdict(step)

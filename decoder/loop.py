@@ -210,8 +210,9 @@ def generate(
             break
         # 2. Propose: draft below the roots while the budget (one token per level) allows.
         levels = min(max_levels, config.max_new_tokens - len(out) - 1 + root_emitted)
-        context = RoundContext(len(out), stats.last_accepted, stats.acceptance_rate,
-                               stats.accepted_ema, root_statistics(r))
+        context = None if drafter is None else RoundContext(  # `ar` drafts nothing
+            len(out), stats.last_accepted, stats.acceptance_rate, stats.accepted_ema,
+            root_statistics(r))
         if config.method == "tree":
             round_tree, proposal = propose_tree(drafter, policy, roots, r, target.length,
                                                 levels, context, config.sampling,
@@ -294,7 +295,7 @@ def propose(
     root_position: int,
     levels: int,  # the deepest level the budget allows
     policy: StoppingPolicy,
-    context: RoundContext,
+    context: RoundContext | None,  # None only without a drafter
     config: DecodeConfig,
     generator: torch.Generator | None,
 ) -> Proposal:

@@ -79,11 +79,7 @@ class Replay:
 
     def path_product(self, p: np.ndarray) -> np.ndarray:
         """[n] product of a per-row probability along each row's branch, from level 1."""
-        out = p.astype(np.float64).copy()
-        for d in range(2, self.max_depth + 1):
-            rows = np.flatnonzero((self.level == d) & (self.parent_row >= 0))
-            out[rows] *= out[self.parent_row[rows]]
-        return out
+        return path_product(p, self.level, self.parent_row)
 
     def cut(self, go_on: np.ndarray) -> np.ndarray:
         """[R] depth D of each round given go_on [R, max_depth]: after level d, draft d + 1."""
@@ -122,6 +118,16 @@ class Replay:
             depth = np.argmax(value, axis=1)
             rho = self.simulate(depth, costs).speedup
         return depth
+
+
+def path_product(p: np.ndarray, level: np.ndarray, parent_row: np.ndarray) -> np.ndarray:
+    """[n] product of a per-row probability along each row's path from level 1 (rows of a
+    round in tree order, `parent_row` -1 below the root)."""
+    out = p.astype(np.float64).copy()
+    for d in range(2, int(level.max(initial=1)) + 1):
+        rows = np.flatnonzero((level == d) & (parent_row >= 0))
+        out[rows] *= out[parent_row[rows]]
+    return out
 
 
 def parent_rows(round_index: np.ndarray, node: np.ndarray, parent: np.ndarray) -> np.ndarray:

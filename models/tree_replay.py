@@ -34,7 +34,7 @@ from specstop.decoder.tree import Tree
 from specstop.decoder.tree_rule import TreeRule, verify_cost_table
 
 from .data import ROUND_KEYS
-from .simulate import parent_rows
+from .simulate import parent_rows, path_product
 
 EXPAND_GRID = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9)
 WIDTH_GRID = (1, 2, 4, 8)
@@ -142,7 +142,7 @@ class TreeReplay:
 
     def dynamic(self, p: np.ndarray, rule: TreeRule, costs: TreeCosts) -> TreeResult:
         """The runtime's rule (`decoder.tree_rule`) with per-row acceptance probabilities p."""
-        s = self.survival(p)
+        s = path_product(p, self.level, self.parent_row)  # each row's survival
         candidate = self.level == 1
         fed = np.zeros(len(s), dtype=bool)
         for d in range(1, self.max_depth):
@@ -154,14 +154,6 @@ class TreeReplay:
         kept = self._verify(s, candidate, rule) if rule.prune else candidate
         root = np.ones(self.rounds, dtype=np.int64)
         return self.score(kept, self._fed_widths(fed, root), costs)
-
-    def survival(self, p: np.ndarray) -> np.ndarray:
-        """[n] product of p along each row's path from level 1."""
-        s = p.astype(np.float64).copy()
-        for d in range(2, self.max_depth + 1):
-            rows = np.flatnonzero((self.level == d) & (self.parent_row >= 0))
-            s[rows] *= s[self.parent_row[rows]]
-        return s
 
     def _verify(self, s: np.ndarray, candidate: np.ndarray, rule: TreeRule) -> np.ndarray:
         """`tree_rule.verify_set` of every round at once: the n best candidates by the closed
@@ -236,15 +228,15 @@ def best_static(replay: TreeReplay, costs: TreeCosts) -> dict[str, Tuned]:
     grid = [(w1, w2, w3) for w1 in range(1, branching[0] + 1)
             for w2 in range(1, (branching[1] if len(branching) > 1 else 1) + 1)
             for w3 in range(1, (branching[2] if len(branching) > 2 else 1) + 1)]
+    depths = range(1, replay.max_depth + 1)
     results = {(w, d): replay.static(shape_nodes(replay.tree, w, d), costs)
-               for w in grid for d in range(1, replay.max_depth + 1)}
+               for w in grid for d in depths}
 
     def best(name: str, shapes: list[tuple[tuple[int, ...], int]]) -> Tuned:
         (w, d) = max(shapes, key=lambda s: results[s].speedup)
         curve = sorted((results[s].verified, results[s].speedup) for s in shapes)
         return Tuned(name, results[(w, d)], {"widths": list(w), "depth": d}, curve)
 
-    depths = range(1, replay.max_depth + 1)
     chains = [((1, 1, 1), d) for d in depths]
     ti = [((w, 1, 1), d) for w in range(2, branching[0] + 1) for d in depths]
     out = {"static_chain": best("static_chain", chains), "static_tree": best("static_tree",
