@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import platformdirs
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError,
+                      model_validator)
+from pydantic_core import PydanticCustomError
 
 from . import paths
 from .errors import SpecstopError
-from .schema_errors import dotted, problem
+from .schema_errors import CROSS_KEY, dotted, problem
 
 METHODS = ("ar", "sd", "mcsd", "ti-mcsd", "tree")
 STOP_FAMILIES = ("logistic", "lightgbm", "mlp")
@@ -108,8 +110,8 @@ class PromptsConfig(Section):
 
 
 class CorpusConfig(Section):
-    samples_per_prompt: PosInt = 3  # the first greedy, the rest sampled at `temperature`
-    temperature: Temperature = 0.8
+    temperatures: list[Temperature] = Field([0.0, 0.7, 1.0], min_length=1)  # one response per
+    # entry (0 = greedy); val responses are greedy
     max_new_tokens: PosInt = 128
     batch_size: PosInt = 16
     top_k: PosInt = 16  # teacher probabilities kept per position
@@ -119,11 +121,20 @@ class DraftSpec(Section):
     family: Literal["compact", "feature"]
     layers: PosInt
     vocab: NonNegInt = 0  # output vocabulary size; 0 = the full vocabulary
+    fuse: bool = False  # feature head: reads the target's low, middle and high layers (EAGLE-3)
     max_minutes: PosFloat | None = None  # overrides draft.train.max_minutes
+
+    @model_validator(mode="after")
+    def _fuse_needs_features(self) -> "DraftSpec":
+        if self.fuse and self.family != "feature":
+            raise PydanticCustomError(CROSS_KEY, "fuse: only a feature head reads the target's "
+                                      "layers (family: feature)")
+        return self
 
     @property
     def name(self) -> str:
-        return f"{self.family}-l{self.layers}-v{self.vocab or 'full'}"
+        fused = "-fused" if self.fuse else ""
+        return f"{self.family}-l{self.layers}-v{self.vocab or 'full'}{fused}"
 
 
 class DraftTrainConfig(Section):
@@ -155,12 +166,21 @@ class DraftConfig(Section):
     prompts: Path = paths.PROMPTS
     verify_costs: Path = paths.VERIFY_COSTS
     max_prompts: PosInt | None = None
+    domains: dict[str, UnitFraction] | None = None  # share of the train prompts per source
+    # (fractions summing to 1); None: the split's order, which interleaves the sources
     seed: Seed = 0
     corpus: CorpusConfig = CorpusConfig()
     sweep: list[DraftSpec] = Field(
         [DraftSpec(family="feature", layers=1, vocab=4096)], min_length=1)
     train: DraftTrainConfig = DraftTrainConfig()
     eval: DraftEvalConfig = DraftEvalConfig()
+
+    @model_validator(mode="after")
+    def _domains_sum_to_one(self) -> "DraftConfig":
+        if self.domains is not None and abs(sum(self.domains.values()) - 1) > 1e-6:
+            raise PydanticCustomError(CROSS_KEY, "domains: the fractions must sum to 1, got "
+                                      f"{sum(self.domains.values()):g}")
+        return self
 
 
 class MLflowConfig(Section):

@@ -10,6 +10,10 @@ from typing import Any
 from pydantic import BaseModel
 
 
+CROSS_KEY = "cross_key"  # the error type of a rule over several keys of one section: its
+# message names the key and says what is wrong
+
+
 def dotted(loc: tuple) -> str:
     out = ""
     for part in loc:
@@ -24,6 +28,8 @@ def problem(model: type[BaseModel], error: dict) -> str:
         return f"unknown key (known: {', '.join(known)})"
     if error["type"] == "missing":
         return "required key missing"
+    if error["type"] == CROSS_KEY:
+        return error["msg"]
     return f"expected {_expected(model, error['loc'])}, got {_shown(error.get('input'))}"
 
 

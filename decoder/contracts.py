@@ -36,7 +36,7 @@ class Scores:
     """The target's pass over a proposal."""
 
     p: torch.Tensor  # [n, V] warped target distribution after each node
-    hidden: torch.Tensor | None  # [n, H] last hidden states, when the drafter needs them
+    hidden: torch.Tensor | None  # [n, L * H] hidden states of the layers the drafter reads
 
 
 @dataclass(frozen=True)

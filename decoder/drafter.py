@@ -6,8 +6,8 @@ every tree shape, stopping policy and verification rule.  The drafter keeps its 
 masks come from `Tree`, the positions it keeps from `kv.kept_positions`) and is told after each
 round which path the target accepted, and which of its nodes it was fed (a round may feed only
 some nodes: those of a static tree above its last drafted level, the `tree` method's expanded
-ones).  A drafter with `needs_target_hidden` also receives the target's last hidden states: of
-the prompt at `reset`, of the accepted path at `commit`.
+ones).  A drafter with `target_layers` also receives the target's hidden states of those layers
+(concatenated): of the prompt at `reset`, of the accepted path at `commit`.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from .tree import Tree
 
 
 class Drafter(Protocol):
-    needs_target_hidden: bool
+    target_layers: tuple[int, ...]  # the target's hidden-state layers it reads; () = none
 
     def reset(self, prompt: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
-        """Start a new sequence whose committed tokens so far are `prompt` [L] (hidden [L, H])."""
+        """Start a new sequence whose committed tokens so far are `prompt` [L] (the target's
+        hidden states of `target_layers` [L, len(target_layers) * H])."""
 
     def step(self, tree: Tree, level: int, ids: torch.Tensor, root_position: int) -> torch.Tensor:
         """Feed the nodes of `level` of the fed tree `tree` (ids [n_level]); return draft
@@ -33,7 +34,7 @@ class Drafter(Protocol):
 
     def commit(self, path_tokens: torch.Tensor, fed_path: torch.Tensor,
                path_hidden: torch.Tensor | None = None) -> None:
-        """The target accepted `path_tokens` [k] (root first; their hidden states [k, H]); the
+        """The target accepted `path_tokens` [k] (root first; their hidden states [k, L * H]); the
         first j of them were fed this round, as the fed tree's nodes `fed_path` [j] long (a fed
         node's parent is fed, so they lead the path; j = 0: nothing was fed)."""
 
@@ -45,7 +46,7 @@ class ModelDrafter:
     wait in `pending` and are fed as a causal chain in front of the next round's roots.
     """
 
-    needs_target_hidden = False
+    target_layers: tuple[int, ...] = ()
 
     def __init__(self, lm: KVModel) -> None:
         self.lm = lm
@@ -83,18 +84,18 @@ class FeatureDrafter:
     """A feature-conditioned draft head (EAGLE, arXiv 2401.15077) with its own KV cache.
 
     Head position j reads (feature of position j-1, token j) and predicts the feature of
-    position j, hence token j+1.  Committed positions read the target's own features; deeper
-    tree levels read the head's predicted feature of their parent.  After a round only the
-    root's cache entry is kept (it read a target feature); the accepted tokens below it wait in
-    `pending` with the target's features of their parents and are fed before the next roots.
+    position j, hence token j+1.  Committed positions read the target's own features (the head
+    projects the target's layers it reads to one feature); deeper tree levels read the head's
+    predicted feature of their parent.  After a round only the root's cache entry is kept (it
+    read a target feature); the accepted tokens below it wait in `pending` with the target's
+    features of their parents and are fed before the next roots.
     """
-
-    needs_target_hidden = True
 
     def __init__(self, lm: KVModel) -> None:
         if lm.feature_size is None:
             raise ValueError("FeatureDrafter needs a feature-conditioned head")
         self.lm = lm
+        self.target_layers: tuple[int, ...] = tuple(lm.model.target_layers)
         self.committed = 0
 
     def reset(self, prompt: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
@@ -102,6 +103,7 @@ class FeatureDrafter:
             raise ValueError("a feature-conditioned draft needs the target's hidden states")
         self.lm.reset()
         self.committed = 0
+        target_hidden = self.lm.project(target_hidden)
         self.pending = prompt.cpu()[1:]  # position 0 has no preceding feature
         self.pending_features = target_hidden[:-1]
         self.last_feature = target_hidden[-1]  # the feature the next root was drawn from
@@ -131,6 +133,7 @@ class FeatureDrafter:
                path_hidden: torch.Tensor | None = None) -> None:
         if path_hidden is None:
             raise ValueError("a feature-conditioned draft needs the target's hidden states")
+        path_hidden = self.lm.project(path_hidden)
         accepted, below_root = path_tokens.cpu(), path_hidden[:-1]
         if fed_path.shape[0] > 0:
             self.lm.retain(kept_positions(self.committed, fed_path[:1].cpu()))

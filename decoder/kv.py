@@ -23,6 +23,12 @@ def kept_positions(committed: int, nodes: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.arange(committed), committed + nodes])
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword `model.forward` takes its cache by (`cache` from transformers 5.24 on)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class KVModel:
     """Wraps a causal LM and one sequence's KV cache.
 
@@ -45,8 +51,7 @@ class KVModel:
         self.vocab_size = vocab_size or model.config.vocab_size
         self.vocab_ids = None if vocab_ids is None else vocab_ids.to(self.device)
         self.feature_size: int | None = getattr(model, "feature_size", None)
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = cache_keyword(model)
         self.cache = DynamicCache()
         self.length = 0
 
@@ -81,8 +86,10 @@ class KVModel:
         tail_allow: torch.Tensor | None,
         features: torch.Tensor | None = None,
         last_only: bool = False,
+        layers: tuple[int, ...] = (-1,),
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `extend`, plus the last layer's (normed) hidden states [n, H] of the new tokens."""
+        """As `extend`, plus the new tokens' hidden states of `layers` (indices into the model's
+        `hidden_states`; -1: the last layer's, normed), concatenated: [n, len(layers) * H]."""
         n = ids.shape[0]
         device = self.device
         mask = None
@@ -106,7 +113,14 @@ class KVModel:
             **extra,
         )
         self.length += n
-        return self._full_vocab(out.logits[0]), out.hidden_states[-1][0]
+        hidden = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
+        return self._full_vocab(out.logits[0]), hidden
+
+    @torch.inference_mode()
+    def project(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """A feature-conditioned head's input features [n, H] from the target's hidden states
+        of the layers it reads [n, len(layers) * H]."""
+        return self.model.project(target_hidden.to(self.device, self.dtype))
 
     def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         if self.vocab_ids is None:

@@ -222,7 +222,7 @@ def generate(
                                                  levels, policy, context, config, generator)
         # 3. Score: one target pass over the proposal.
         scores = score(target, round_tree, proposal, config.sampling, costs,
-                       drafter is not None and drafter.needs_target_hidden)
+                       () if drafter is None else drafter.target_layers)
         # 4. Verify.
         verdict = verify(round_tree, proposal, scores, config, eos_id, generator)
         # 5. Commit the accepted path to both caches; emit the tokens not emitted at step 1.
@@ -264,11 +264,12 @@ def prefill(
 ) -> torch.Tensor:
     """Both caches take the prompt; returns r [V], the target's next-token distribution."""
     target.reset()
+    layers = () if drafter is None else drafter.target_layers
     logits, hidden = target.extend_with_hidden(prompt, torch.arange(prompt.shape[0]), None,
-                                               last_only=True)
+                                               last_only=True, layers=layers or (-1,))
     r = warp(logits, sampling)[0]
     if drafter is not None:
-        drafter.reset(prompt, hidden if drafter.needs_target_hidden else None)
+        drafter.reset(prompt, hidden if layers else None)
     return r
 
 
@@ -330,17 +331,18 @@ def propose(
 
 
 def score(target: KVModel, tree: Tree, proposal: Proposal, sampling: Sampling,
-          costs: VerifyCosts | None, needs_hidden: bool) -> Scores:
+          costs: VerifyCosts | None, layers: tuple[int, ...]) -> Scores:
     """One target pass over the proposal under its sliced tree mask, padded to the cheapest
-    measured width (padding repeats the first root; a lone token needs no mask)."""
+    measured width (padding repeats the first root; a lone token needs no mask); with the
+    hidden states of `layers` when there are any."""
     n = tree.size(proposal.depth)
     width = costs.padded_width(n) if costs else n
     tokens, positions = proposal.tokens, proposal.root_position + tree.depth[:n]
     ids = torch.cat([tokens, tokens[:1].expand(width - n)])
     positions = torch.cat([positions, positions[:1].expand(width - n)])
     mask = tree.padded_mask(proposal.depth, width) if width > 1 else None
-    logits, hidden = target.extend_with_hidden(ids, positions, mask)
-    return Scores(warp(logits[:n], sampling), hidden[:n] if needs_hidden else None)
+    logits, hidden = target.extend_with_hidden(ids, positions, mask, layers=layers or (-1,))
+    return Scores(warp(logits[:n], sampling), hidden[:n] if layers else None)
 
 
 def verify(tree: Tree, proposal: Proposal, scores: Scores, config: DecodeConfig,

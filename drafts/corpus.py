@@ -1,116 +1,253 @@
 """Distillation data for a draft: the target's own responses and what it computed on them.
 
-The target samples responses to the training prompts (batched `generate`: the first sample of
-each prompt greedy, the rest at a temperature), then one teacher-forced pass over every
-sequence keeps its last hidden states (what a feature-conditioned head reads) and its top-k
-next-token distribution (what every draft is taught).  Shards are written atomically, one per
-batch, so an interrupted run resumes at the next missing shard.
+The target answers the training prompts once per entry of `temperatures` (0 = greedy) in
+batched decoding written for this job (`_generate_batch`): the prompts of a batch are of
+similar length (sorted), a prompt is prefilled once for all its temperatures, each row has its
+own temperature, and a row leaves the batch (and its cache) when its response ends.  The forwards that generate a response also give the teacher's
+data, so there is no second pass: at every position the chosen layers' hidden states (what a
+feature-conditioned head reads) and the top-k next-token distribution (what every draft is
+taught).  Shards are written atomically, one per batch, so an interrupted run resumes at the
+next missing shard.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers.cache_utils import Cache, DynamicLayer
 
-from specstop.common.files import remove_temp_files, resume_or_set_aside, write_atomic
+from specstop.common.files import remove_temp_files, resume_or_set_aside, write_atomic, write_json
 from specstop.common.params import CorpusConfig
+from specstop.decoder.kv import cache_keyword
+
+HEAD_CHUNK = 256  # positions per output-layer call over a prompt: bounds the [n, V] logits
+TIMING = "timing.json"  # seconds and tokens per generated shard
 
 
 @dataclass
 class Sequence:
     ids: torch.Tensor  # [T] long, prompt + response
     prompt_len: int
-    hidden: torch.Tensor  # [T, H] target's last hidden state (bf16)
+    hidden: torch.Tensor  # [T, L, H] bf16: the target's hidden states of the corpus' layers
     top_ids: torch.Tensor  # [T, K] int32: the teacher's top-k next tokens at each position
     top_probs: torch.Tensor  # [T, K] float16
+    prompt_index: int  # the prompt's index in the corpus' prompt list
+    temperature: float  # the response's sampling temperature (0 = greedy)
 
 
 def build_corpus(model, tokenizer, prompts: list[str], folder: Path, config: CorpusConfig,
-                 seed: int, desc: str, stale_root: Path) -> list[Sequence]:
+                 layers: tuple[int, ...], seed: int, desc: str,
+                 stale_root: Path) -> list[Sequence]:
     """Generate (or resume) the shards for `prompts` under `folder`; return every sequence.
 
-    Shards resume only a run with the same prompts, settings, seed and target (`recipe.json`);
-    otherwise the old shards are moved under `stale_root` and the folder starts afresh."""
-    recipe = {"config": config.model_dump(), "seed": seed, "target": model.name_or_path,
+    `layers` are indices into the target's `hidden_states` (-1: the last, normed).  Shards
+    resume only a run with the same prompts, settings, layers, seed and target
+    (`recipe.json`); otherwise the old shards are moved under `stale_root` and the folder
+    starts afresh."""
+    recipe = {"config": config.model_dump(), "layers": list(layers), "seed": seed,
+              "target": model.name_or_path,
               "prompts": hashlib.sha256("\0".join(prompts).encode()).hexdigest()}
     resume_or_set_aside(folder, recipe, stale_root, f"draft corpus {folder}")
     remove_temp_files(folder)  # of shards a killed run was writing
-    jobs = [(p, s) for p in prompts for s in range(config.samples_per_prompt)]
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    jobs = sorted(((len(ids), i, t) for i, ids in enumerate(encoded)
+                   for t in config.temperatures), key=lambda job: job[0])
     batches = [jobs[i:i + config.batch_size] for i in range(0, len(jobs), config.batch_size)]
     sequences: list[Sequence] = []
-    for index, batch in enumerate(tqdm(batches, desc=desc, unit="batch")):
+    tokens, timing = 0, read_timing(folder)
+    progress = tqdm(batches, desc=desc, unit="batch")
+    for index, batch in enumerate(progress):
         shard = folder / f"shard-{index:05d}.pt"
         if not shard.is_file():
-            generator_seed = seed * 100_003 + index
-            made = _generate_batch(model, tokenizer, batch, config, generator_seed)
+            start = time.perf_counter()
+            made = _generate_batch(model, [(torch.tensor(encoded[i]), i, t) for _, i, t in batch],
+                                   config, layers, tokenizer.eos_token_id, seed * 100_003 + index)
             write_atomic(shard, lambda tmp: torch.save([s.__dict__ for s in made], tmp))
-        sequences += [Sequence(**d) for d in torch.load(shard, weights_only=True)]
+            timing[shard.name] = {"seconds": round(time.perf_counter() - start, 3),
+                                  "tokens": sum(s.ids.shape[0] for s in made),
+                                  "response_tokens": sum(s.ids.shape[0] - s.prompt_len
+                                                         for s in made)}
+            write_json(folder / TIMING, timing)
+        loaded = [Sequence(**d) for d in torch.load(shard, weights_only=True)]
+        sequences += loaded
+        tokens += sum(s.ids.shape[0] - s.prompt_len for s in loaded)
+        progress.set_postfix(response_tokens=tokens)
     return sequences
 
 
 @torch.inference_mode()
-def _generate_batch(model, tokenizer, batch: list[tuple[str, int]], config: CorpusConfig,
-                    seed: int) -> list[Sequence]:
-    """Responses for one batch (greedy ones and sampled ones generated separately)."""
-    out: list[Sequence] = []
-    greedy = [p for p, s in batch if s == 0]
-    sampled = [p for p, s in batch if s > 0]
-    torch.manual_seed(seed)
-    for texts, do_sample in ((greedy, False), (sampled, True)):
-        if texts:
-            rows = _respond(model, tokenizer, texts, config, do_sample)
-            out += _teacher(model, rows, config.top_k, tokenizer.eos_token_id)
-    return out
+def _generate_batch(model, rows: list[tuple[torch.Tensor, int, float]], config: CorpusConfig,
+                    layers: tuple[int, ...], eos: int | None, seed: int) -> list[Sequence]:
+    """Responses to the prompts `rows` (ids, index, temperature) with the teacher's data at every
+    position.  A prompt in several rows (its temperatures) is prefilled once.  A response ends
+    after its EOS or `max_new_tokens` tokens; each row's last token is fed too, so its position
+    has hidden states like every other."""
+    device = model.device
+    generator = torch.Generator(device).manual_seed(seed)
+    unique = {index: prompt for prompt, index, _ in rows}
+    capacity = max(p.shape[0] for p in unique.values()) + config.max_new_tokens
+    cache = Cache(layers=[InPlaceLayer(capacity) for _ in range(model.config.num_hidden_layers)])
+    cache_kw = cache_keyword(model)
+    mask, logits, prompt_records = _prefill(model, list(unique.values()), cache, cache_kw,
+                                            layers, config.top_k)
+    of_row = torch.tensor([list(unique).index(index) for _, index, _ in rows], device=device)
+    _select_rows(cache, of_row)
+    mask, logits = mask[of_row], logits[of_row]
+    records = [[prompt_records[i]] for i in of_row.tolist()]
+    temperature = torch.tensor([t for _, _, t in rows], device=device)
+    responses: list[list[int]] = [[] for _ in rows]
+    active = torch.arange(len(rows))  # rows still answering, in cache order
+    lengths = mask.sum(1)  # tokens (prompt + fed response) per cache row
+    while active.numel():
+        token = _next_tokens(logits, temperature, generator)
+        for row, t in zip(active.tolist(), token.tolist()):
+            responses[row].append(t)
+        mask = torch.cat([mask, mask.new_ones(active.numel(), 1)], dim=1)
+        out = model(input_ids=token[:, None], attention_mask=mask,
+                    position_ids=lengths[:, None], **{cache_kw: cache}, use_cache=True,
+                    output_hidden_states=True)
+        lengths = lengths + 1
+        logits = out.logits[:, -1].float()
+        top = _top_k(logits, config.top_k)
+        step_hidden = _layers(out.hidden_states, layers)[:, -1]
+        for j, row in enumerate(active.tolist()):
+            records[row].append((step_hidden[j:j + 1], top[0][j:j + 1], top[1][j:j + 1]))
+        done = torch.tensor([responses[row][-1] == eos or len(responses[row]) == config.max_new_tokens
+                             for row in active.tolist()])
+        if done.any():
+            keep = (~done).nonzero().flatten().to(device)
+            _select_rows(cache, keep)
+            active, mask, lengths = active[~done], mask[keep], lengths[keep]
+            logits, temperature = logits[keep], temperature[keep]
+    return [_sequence(prompt, responses[i], records[i], index, t)
+            for i, (prompt, index, t) in enumerate(rows)]
 
 
-def _respond(model, tokenizer, texts: list[str], config: CorpusConfig,
-             do_sample: bool) -> list[tuple[torch.Tensor, int]]:
-    """(prompt + response ids, prompt length) per text; the response ends at its first EOS."""
-    tokenizer.padding_side = "left"
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    enc = {k: v.to(model.device) for k, v in enc.items()}
-    sampling = {"do_sample": True, "temperature": config.temperature, "top_p": 1.0,
-                "top_k": 0} if do_sample else {"do_sample": False}
-    generated = model.generate(**enc, max_new_tokens=config.max_new_tokens, pad_token_id=pad,
-                               **sampling).cpu()
-    width = enc["input_ids"].shape[1]
-    rows = []
-    for i in range(len(texts)):
-        prompt = enc["input_ids"][i].cpu()[enc["attention_mask"][i].cpu().bool()]
-        response = generated[i, width:]
-        eos = (response == tokenizer.eos_token_id).nonzero()
-        if eos.numel():
-            response = response[: int(eos[0]) + 1]
-        rows.append((torch.cat([prompt, response]), prompt.shape[0]))
-    return rows
+def _prefill(model, prompts: list[torch.Tensor], cache: Cache, cache_kw: str,
+             layers: tuple[int, ...], top_k: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """One left-padded pass over `prompts` into `cache`: the attention mask [U, width], the
+    next-token logits [U, V] and each prompt's records (`_prompt_records`)."""
+    device = model.device
+    width = max(p.shape[0] for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, prompt in enumerate(prompts):  # left padding: every row's next token is last
+        ids[i, width - prompt.shape[0]:] = prompt
+        mask[i, width - prompt.shape[0]:] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_min(0),
+                **{cache_kw: cache}, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    hidden, last = _layers(out.hidden_states, layers), out.hidden_states[-1]
+    head = model.get_output_embeddings()
+    records = [_prompt_records(hidden[i, width - p.shape[0]:], last[i, width - p.shape[0]:],
+                               head, top_k) for i, p in enumerate(prompts)]
+    return mask, out.logits[:, -1].float(), records
 
 
-def _teacher(model, rows: list[tuple[torch.Tensor, int]], top_k: int,
-             pad: int | None) -> list[Sequence]:
-    """One right-padded teacher-forced pass: hidden states and top-k probabilities per row."""
-    length = max(ids.shape[0] for ids, _ in rows)
-    ids = torch.full((len(rows), length), pad or 0, dtype=torch.long)
-    mask = torch.zeros(len(rows), length, dtype=torch.long)
-    for i, (row, _) in enumerate(rows):
-        ids[i, : row.shape[0]] = row
-        mask[i, : row.shape[0]] = 1
-    out = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                output_hidden_states=True)
-    hidden = out.hidden_states[-1]
-    result = []
-    for i, (row, prompt_len) in enumerate(rows):  # row by row: [T, V] float logits are large
-        n = row.shape[0]
-        logits = out.logits[i, :n].float()
-        top = logits.topk(top_k, dim=-1)
-        probs = (top.values - logits.logsumexp(dim=-1, keepdim=True)).exp()
-        result.append(Sequence(row, prompt_len, hidden[i, :n].to(torch.bfloat16).cpu(),
-                               top.indices.int().cpu(), probs.half().cpu()))
-    return result
+def _layers(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:
+    """[B, T, L, H]: the hidden states of `layers`."""
+    return torch.stack([hidden_states[i] for i in layers], dim=2)
+
+
+def _top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k token ids and their probabilities per row of float logits [n, V]."""
+    top = logits.topk(k, dim=-1)
+    return top.indices, (top.values - logits.logsumexp(dim=-1, keepdim=True)).exp()
+
+
+def _prompt_records(hidden: torch.Tensor, last: torch.Tensor, head: torch.nn.Module,
+                    k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden [P, L, H], top ids, top probs) of a prompt's positions; the teacher's logits
+    come from the output layer over the last layer's normed states `last` [P, H], a chunk at
+    a time."""
+    tops = [_top_k(head(last[i:i + HEAD_CHUNK]).float(), k)
+            for i in range(0, last.shape[0], HEAD_CHUNK)]
+    return (hidden, torch.cat([t[0] for t in tops]), torch.cat([t[1] for t in tops]))
+
+
+def _next_tokens(logits: torch.Tensor, temperature: torch.Tensor,
+                 generator: torch.Generator) -> torch.Tensor:
+    """Each row's next token: the argmax where its temperature is 0, else a sample (the
+    exponential race: argmax p / E with E ~ Exp(1) is distributed as p, and costs one random
+    number per token where `torch.multinomial` costs far more on a CPU)."""
+    greedy = logits.argmax(-1)
+    warm = temperature > 0
+    if not warm.any():
+        return greedy
+    probs = torch.softmax(logits[warm] / temperature[warm, None], dim=-1)
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    greedy[warm] = (probs / race).argmax(-1)
+    return greedy
+
+
+class InPlaceLayer(DynamicLayer):
+    """A cache layer whose keys and values live in buffers allocated once for `capacity`
+    positions and written in place: a step appends without copying the cache (a
+    `DynamicLayer` concatenates, copying all of it, at every step)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity, self.length = capacity, 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            b, h = key_states.shape[:2]
+            self.key_buffer = key_states.new_empty(b, h, self.capacity, key_states.shape[-1])
+            self.value_buffer = value_states.new_empty(b, h, self.capacity,
+                                                       value_states.shape[-1])
+        n = key_states.shape[-2]
+        self.key_buffer[:, :, self.length:self.length + n] = key_states
+        self.value_buffer[:, :, self.length:self.length + n] = value_states
+        self.length += n
+        self._views()
+        return self.keys, self.values
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Keep only the batch rows `keep` (one copy of the buffers)."""
+        self.key_buffer = self.key_buffer.index_select(0, keep)
+        self.value_buffer = self.value_buffer.index_select(0, keep)
+        self._views()
+
+    def _views(self) -> None:
+        self.keys = self.key_buffer[:, :, :self.length]
+        self.values = self.value_buffer[:, :, :self.length]
+
+
+def _select_rows(cache: Cache, keep: torch.Tensor) -> None:
+    """Keep only the batch rows `keep` of every cache layer."""
+    for layer in cache.layers:
+        layer.select_rows(keep)
+
+
+def _sequence(prompt: torch.Tensor, response: list[int], records: list[tuple], index: int,
+              temperature: float) -> Sequence:
+    hidden, top_ids, top_probs = (torch.cat(parts) for parts in zip(*records))
+    return Sequence(torch.cat([prompt, torch.tensor(response, dtype=torch.long)]),
+                    prompt.shape[0], hidden.to(torch.bfloat16).cpu(), top_ids.int().cpu(),
+                    top_probs.half().cpu(), index, temperature)
+
+
+def read_timing(folder: Path) -> dict[str, dict]:
+    """Seconds and tokens of each shard generated in `folder` (`timing.json`)."""
+    path = Path(folder) / TIMING
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def corpus_timing(folder: Path) -> dict:
+    """Responses' tokens and the generation's speed over the shards `folder` timed."""
+    shards = read_timing(folder).values()
+    seconds = sum(s["seconds"] for s in shards)
+    tokens = sum(s["response_tokens"] for s in shards)
+    return {"shards": len(shards), "seconds": round(seconds, 1), "response_tokens": tokens,
+            "tokens_per_s": round(tokens / seconds, 1) if seconds else None}
 
 
 def token_counts(sequences: list[Sequence], vocab: int) -> torch.Tensor:

@@ -2,11 +2,13 @@
 
 Both families learn the teacher's top-k next-token distribution (cross-entropy over the
 draft's pruned vocabulary); the feature-conditioned head also regresses the target's next
-hidden state (EAGLE's smooth-L1 feature loss), which is what it feeds itself at deeper levels.
-A checkpoint after every validation lets an interrupted run resume exactly: the checkpoint holds
+hidden state (EAGLE's smooth-L1 feature loss), which is what it feeds itself at deeper levels,
+and is trained as it is used: `unroll` passes, each fed the previous pass's predicted features
+(EAGLE-3's training-time test).  A checkpoint after every validation lets an interrupted run resume exactly: the checkpoint holds
 the position in the epoch's batch order and the global RNG states, so a resumed run trains on the
-same batches with the same noise as an uninterrupted one.  Early stopping watches val loss and
-the best weights are kept; metrics go to MLflow.
+same batches with the same noise as an uninterrupted one.  Early stopping watches val alpha
+(greedy agreement on the held-out responses) and the best weights are kept; metrics, the
+learning curve against seconds and tokens seen among them, go to MLflow.
 """
 
 from __future__ import annotations
@@ -42,9 +44,14 @@ class DraftDistiller(pl.LightningModule):
     """Teacher-forced distillation of a compact draft or a feature-conditioned head."""
 
     def __init__(self, draft: torch.nn.Module, family: str, vocab_ids: torch.Tensor | None,
-                 vocab_size: int, config: DraftTrainConfig) -> None:
+                 vocab_size: int, config: DraftTrainConfig,
+                 corpus_layers: tuple[int, ...] = (-1,)) -> None:
         super().__init__()
         self.draft, self.family, self.config = draft, family, config
+        # where the corpus' hidden states [.., L, H] hold the last layer, and the head's input
+        self.last_index = corpus_layers.index(-1)
+        self.input_index = [corpus_layers.index(i) for i in getattr(draft, "target_layers", ())]
+        self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))  # checkpointed
         ids = torch.arange(vocab_size) if vocab_ids is None else vocab_ids
         to_pruned = torch.full((vocab_size,), -1, dtype=torch.long)
         to_pruned[ids] = torch.arange(ids.shape[0])
@@ -82,10 +89,11 @@ class DraftDistiller(pl.LightningModule):
         deeper draft levels see).  Losses are averaged over the passes; returns the first pass's
         log-probabilities (level-0 agreement) with the response mask and teacher ids they align
         with."""
-        ids, feats = batch["ids"], batch["hidden"].float()
+        ids, stored = batch["ids"], batch["hidden"]
+        feats = stored[:, :, self.last_index].float()
         top_ids, top_probs, mask = batch["top_ids"][:, 1:], batch["top_probs"][:, 1:], \
             batch["mask"][:, 1:]
-        inputs = feats[:, :-1]
+        inputs = self.draft.project(stored[:, :-1, self.input_index].flatten(-2).float())
         if self.training and self.config.feature_noise > 0:
             inputs = inputs + (torch.rand_like(inputs) - 0.5) * 2 * self.config.feature_noise
         positions = torch.arange(1, ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
@@ -104,7 +112,9 @@ class DraftDistiller(pl.LightningModule):
 
     def training_step(self, batch: dict, _: int) -> torch.Tensor:
         loss, alpha, parts = self(batch)
+        self.tokens_seen += batch["mask"].sum()
         self.log_dict({"train_loss": loss, "train_alpha": alpha,
+                       "tokens_seen": self.tokens_seen.float(),
                        **{f"train_{k}": v for k, v in parts.items()}},
                       batch_size=batch["ids"].shape[0])
         return loss
@@ -122,17 +132,32 @@ class DraftDistiller(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+@torch.no_grad()
+def greedy_agreement(module: DraftDistiller, sequences: list[Sequence],
+                     batch_size: int) -> float | None:
+    """Level-0 greedy agreement with the teacher over the response positions of `sequences`
+    (None for none)."""
+    module.eval()
+    agreed = counted = 0.0
+    for i in range(0, len(sequences), batch_size):
+        batch = {k: v.to(module.device) for k, v in collate(sequences[i:i + batch_size]).items()}
+        _, alpha, _ = module(batch)
+        n = float(batch["response"].sum())
+        agreed, counted = agreed + float(alpha) * n, counted + n
+    return agreed / counted if counted else None
+
+
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mask = mask.to(values.dtype)
     return (values * mask).sum() / mask.sum().clamp_min(1.0)
 
 
 def collate(sequences: list[Sequence]) -> dict:
-    """Right-padded batch: ids, hidden, teacher top-k, loss mask, response mask."""
+    """Right-padded batch: ids, hidden [n, T, L, H], teacher top-k, loss mask, response mask."""
     n, length = len(sequences), max(s.ids.shape[0] for s in sequences)
-    k, h = sequences[0].top_ids.shape[1], sequences[0].hidden.shape[1]
+    k, layers = sequences[0].top_ids.shape[1], sequences[0].hidden.shape[1:]
     batch = {"ids": torch.zeros(n, length, dtype=torch.long),
-             "hidden": torch.zeros(n, length, h, dtype=torch.bfloat16),
+             "hidden": torch.zeros(n, length, *layers, dtype=torch.bfloat16),
              "top_ids": torch.zeros(n, length, k, dtype=torch.int32),
              "top_probs": torch.zeros(n, length, k, dtype=torch.float16),
              "mask": torch.zeros(n, length, dtype=torch.bool),
@@ -213,8 +238,9 @@ class ExactResume(pl.Callback):
 
 
 class LearningCurve(pl.Callback):
-    """Appends (step, training seconds, sequences seen, val loss, val alpha) at each validation
-    to a CSV; training seconds survive a resume (Lightning's Timer is checkpointed)."""
+    """Appends (step, training seconds, sequences seen, tokens seen, val loss, val alpha) at
+    each validation to a CSV; training seconds survive a resume (Lightning's Timer is
+    checkpointed), tokens seen too (a buffer of the module)."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -228,9 +254,9 @@ class LearningCurve(pl.Callback):
         new = not self.path.is_file()
         with self.path.open("a") as f:
             if new:
-                f.write("step,train_seconds,sequences_seen,val_loss,val_alpha\n")
+                f.write("step,train_seconds,sequences_seen,tokens_seen,val_loss,val_alpha\n")
             f.write(f"{trainer.global_step},{timer.time_elapsed('train'):.1f},"
-                    f"{trainer.global_step * module.config.batch_size},"
+                    f"{trainer.global_step * module.config.batch_size},{int(module.tokens_seen)},"
                     f"{float(metrics['val_loss']):.5f},{float(metrics['val_alpha']):.5f}\n")
 
 
@@ -261,13 +287,18 @@ def fit(module: DraftDistiller, train: list[Sequence], val: list[Sequence], fold
                              generator=torch.Generator())  # iter() leaves the global RNG alone
     val_loader = DataLoader(val, batch_size=config.batch_size, collate_fn=collate)
     steps_per_epoch = len(loader)
-    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=1,
-                                              monitor="val_loss", save_on_train_epoch_end=False)
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="best", save_top_k=1,
+                                              monitor="val_alpha", mode="max",
+                                              save_on_train_epoch_end=False)
+    # every validation, improved or not: `latest.ckpt` and its copy `last.ckpt` (the resume point)
+    latest = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="latest", save_last=True,
+                                          save_top_k=1, save_on_train_epoch_end=False)
     trainer = pl.Trainer(
         max_epochs=config.max_epochs, max_time={"minutes": config.max_minutes},
         accelerator="auto", devices=1, precision=resolve_precision(config.precision, resolve_device("auto")),
         logger=logger or False,
-        callbacks=[checkpoint, pl.callbacks.EarlyStopping("val_loss", patience=config.patience),
+        callbacks=[checkpoint, latest,
+                   pl.callbacks.EarlyStopping("val_alpha", mode="max", patience=config.patience),
                    LearningCurve(Path(folder) / "curve.csv"), ExactResume(batches)],
         val_check_interval=min(config.val_every_steps, steps_per_epoch),
         check_val_every_n_epoch=None if config.val_every_steps < steps_per_epoch else 1,

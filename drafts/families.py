@@ -4,7 +4,10 @@
 2. Compact draft: a truncated target with a (pruned) output head, distilled.
 3. Feature-conditioned head (EAGLE, arXiv 2401.15077): one decoder layer that reads the
    target's last hidden state together with the next token's embedding and predicts the next
-   hidden state, decoded by a (pruned) head.  It borrows the target's embeddings.
+   hidden state, decoded by a (pruned) head.  It borrows the target's embeddings.  A fused head
+   (EAGLE-3, arXiv 2503.01840) reads the target's low, middle and high layers instead, each
+   normed, concatenated and projected to one feature; deeper levels read its own predictions
+   either way.
 
 A pruned vocabulary holds the N tokens the target emits most often; the draft gives every other
 token probability 0, which keeps verification exact (the target scores the full vocabulary).
@@ -16,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaModel
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from specstop.common.errors import SpecstopError
@@ -23,17 +27,35 @@ from specstop.common.errors import SpecstopError
 FAMILIES = ("compact", "feature")
 
 
+LAST_LAYER = (-1,)  # an unfused head reads the target's last (normed) hidden state
+
+
+def fusion_layers(num_layers: int) -> tuple[int, ...]:
+    """The target's low, middle and high `hidden_states` a fused head reads (EAGLE-3's layers
+    2, L/2 and L-3; fewer for a target of under 6 layers)."""
+    return tuple(sorted({min(2, num_layers), num_layers // 2, max(num_layers - 3, 1)}))
+
+
 class FeatureHead(nn.Module):
     """fc([feature; embedding]) -> decoder layer(s) -> norm -> predicted feature -> pruned head.
 
     Its forward mimics a causal LM's (input_ids, attention_mask, position_ids, cache,
-    logits_to_keep) plus `features` [B, T, H], so `KVModel` drives it like any draft.
+    logits_to_keep) plus `features` [B, T, H], so `KVModel` drives it like any draft.  The
+    target's hidden states of `target_layers` become features through `project`.
     """
 
-    def __init__(self, config: LlamaConfig, embed_tokens: nn.Embedding, vocab_ids: torch.Tensor):
+    def __init__(self, config: LlamaConfig, embed_tokens: nn.Embedding, vocab_ids: torch.Tensor,
+                 target_layers: tuple[int, ...] = LAST_LAYER):
         super().__init__()
         self.config = config
         self.feature_size = config.hidden_size
+        self.target_layers = tuple(target_layers)
+        fused = self.target_layers != LAST_LAYER
+        self.fuse_norms = nn.ModuleList(
+            [LlamaRMSNorm(config.hidden_size, config.rms_norm_eps) for _ in target_layers]
+            if fused else [])
+        self.fuse = nn.Linear(len(target_layers) * config.hidden_size, config.hidden_size,
+                              bias=False) if fused else None
         self.embed_tokens = embed_tokens  # the target's, frozen, not saved
         self.embed_tokens.requires_grad_(False)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
@@ -54,6 +76,15 @@ class FeatureHead(nn.Module):
         hidden = out.last_hidden_state
         logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         return CausalLMOutputWithPast(logits=logits, hidden_states=(hidden,))
+
+    def project(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] features from the target's hidden states of `target_layers`, concatenated
+        [..., len(target_layers) * H]: the last layer's as they are, fused ones normed per
+        layer and projected."""
+        if self.fuse is None:
+            return target_hidden
+        parts = target_hidden.to(self.fuse.weight.dtype).chunk(len(self.fuse_norms), dim=-1)
+        return self.fuse(torch.cat([norm(x) for norm, x in zip(self.fuse_norms, parts)], dim=-1))
 
     def saved_state(self) -> dict[str, torch.Tensor]:
         return {k: v.contiguous() for k, v in self.state_dict().items()
@@ -132,9 +163,10 @@ def build_compact(target: nn.Module, layers: int, vocab_ids: torch.Tensor | None
     return draft
 
 
-def build_feature_head(target: nn.Module, layers: int, vocab_ids: torch.Tensor | None) -> FeatureHead:
+def build_feature_head(target: nn.Module, layers: int, vocab_ids: torch.Tensor | None,
+                       fuse: bool = False) -> FeatureHead:
     """A feature-conditioned head for `target`: `layers` fresh decoder layers, head rows from
-    the target's output layer."""
+    the target's output layer; `fuse`: it reads the target's `fusion_layers`."""
     tc = target.config
     config = LlamaConfig(**{k: v for k, v in tc.to_dict().items()
                             if k in LlamaConfig().to_dict() and k != "architectures"})
@@ -142,6 +174,7 @@ def build_feature_head(target: nn.Module, layers: int, vocab_ids: torch.Tensor |
     config._attn_implementation = "sdpa"
     weight = target.get_output_embeddings().weight
     ids = torch.arange(weight.shape[0]) if vocab_ids is None else vocab_ids
-    head = FeatureHead(config, target.get_input_embeddings(), ids).to(weight.device)
+    read = fusion_layers(tc.num_hidden_layers) if fuse else LAST_LAYER
+    head = FeatureHead(config, target.get_input_embeddings(), ids, read).to(weight.device)
     head.lm_head = pruned_head(weight, ids)
     return head.to(weight.dtype)

@@ -22,7 +22,7 @@ from specstop.common.errors import SpecstopError, first_line
 from specstop.common.files import write_atomic, write_json
 from specstop.decoder.model_files import LOAD_ERRORS, corrupt_weights, read_json_object
 
-from .families import FAMILIES, FeatureHead
+from .families import FAMILIES, LAST_LAYER, FeatureHead
 
 DRAFT_META_FILE = "specstop_draft.json"
 HEAD_WEIGHTS = "head.safetensors"
@@ -30,6 +30,10 @@ HEAD_WEIGHTS = "head.safetensors"
 
 def _positive_int(value: object) -> bool:
     return type(value) is int and value > 0
+
+
+def _layer_indices(value: object) -> bool:
+    return isinstance(value, list) and len(value) > 0 and all(type(i) is int for i in value)
 
 
 def _token_ids(value: object) -> bool:
@@ -42,8 +46,10 @@ META_KEYS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "target_vocab_size": ("a positive integer", _positive_int),
     "target_hidden_size": ("a positive integer", _positive_int),
     "vocab_ids": ("null or a non-empty list of token ids", _token_ids),
+    "target_layers": ("a non-empty list of hidden-state indices", _layer_indices),
 }
 REQUIRED_META = {"compact": ("vocab_ids",), "feature": ("target_vocab_size", "target_hidden_size")}
+OPTIONAL_META = ("target_layers",)  # a feature head's fused layers (absent: the last layer)
 
 
 @dataclass
@@ -68,7 +74,8 @@ def save_draft(folder: Path, draft: nn.Module, family: str, target: nn.Module,
         draft.config.save_pretrained(folder)
         state = {k: v.detach().cpu() for k, v in draft.saved_state().items()}
         write_atomic(folder / HEAD_WEIGHTS, lambda tmp: save_file(state, str(tmp)))
-    meta = {"family": family, "target_vocab_size": vocab,
+    layers = {"target_layers": list(draft.target_layers)} if family == "feature" else {}
+    meta = {"family": family, "target_vocab_size": vocab, **layers,
             "target_hidden_size": target.config.hidden_size,
             "vocab_ids": None if vocab_ids is None else vocab_ids.tolist(), **info}
     write_json(folder / DRAFT_META_FILE, meta)
@@ -107,7 +114,7 @@ def read_meta(folder: Path) -> dict | None:
     if missing:
         raise SpecstopError(f"{path}: missing key(s) {', '.join(missing)} "
                             f"(needed by a {meta['family']} draft)")
-    for key in required:
+    for key in [*required, *(k for k in OPTIONAL_META if k in meta)]:
         what, valid = META_KEYS[key]
         if not valid(meta[key]):
             raise SpecstopError(f"{path}: key '{key}' must be {what}")
@@ -132,7 +139,11 @@ def load_feature_head(folder: Path, target: nn.Module, meta: dict) -> LoadedDraf
                             f"({first_line(err)})") from err
     config._attn_implementation = "sdpa"
     state = _head_state(folder / HEAD_WEIGHTS)
-    head = FeatureHead(config, target.get_input_embeddings(), state["vocab_ids"])
+    layers, n = tuple(meta.get("target_layers", LAST_LAYER)), target.config.num_hidden_layers
+    if any(not -n - 1 <= i <= n for i in layers):
+        raise SpecstopError(f"{folder / DRAFT_META_FILE}: target_layers {list(layers)} are not "
+                            f"hidden states of a {n}-layer target")
+    head = FeatureHead(config, target.get_input_embeddings(), state["vocab_ids"], layers)
     try:
         missing, unexpected = head.load_state_dict(state, strict=False)
     except RuntimeError as err:  # a tensor of another shape

@@ -1,11 +1,14 @@
 """The draft sweep (stage `draft`): build, distil and compare drafts; the fastest is the default.
 
-1. The target answers the train prompts (and, greedily, the val prompts): `drafts.corpus`.
-2. Each sweep entry (family x layers x vocabulary) is built from the target and distilled
-   (`drafts.distill`, Lightning + MLflow, resumable); a finished draft folder is not redone.
+1. The target answers the train prompts (mixed by source as `domains` says) at each corpus
+   temperature, and the val prompts greedily: `drafts.corpus`.
+2. Each sweep entry (family x layers x vocabulary x fusion) is built from the target and
+   distilled (`drafts.distill`, Lightning + MLflow, resumable); a finished draft folder is not
+   redone.
 3. Each draft is measured side by side with `ar` in the runtime dtype: greedy agreement alpha
-   on the held-out responses, step cost ratio c, the `sd` speedup predicted from alpha, c and
-   the measured verification cost, and the `sd` speedup measured at the best γ.
+   on the held-out responses (per source, and on train responses beside it), step cost ratio
+   c, the `sd` speedup predicted from alpha, c and the measured verification cost, and the
+   `sd` speedup and acceptance per drafted level measured at the best γ.
 4. The draft with the best measured speedup is copied to `out/default`; metrics/draft.json and
    the DVC plot data describe the sweep; a best draft slower than `ar` ends with a warning.
 
@@ -33,9 +36,10 @@ from specstop.decoder.loop import DecodeConfig
 from specstop.evaluation.side_by_side import bench
 from specstop.prompts.splits import read_split
 
-from .corpus import Sequence, build_corpus, token_counts
-from .distill import DraftDistiller, fit, read_curve, resolve_precision
-from .families import build_compact, build_feature_head, most_frequent_tokens
+from .corpus import Sequence, build_corpus, corpus_timing, token_counts
+from .distill import DraftDistiller, fit, greedy_agreement, read_curve, resolve_precision
+from .families import (LAST_LAYER, build_compact, build_feature_head, fusion_layers,
+                       most_frequent_tokens)
 from .loading import load_runtime
 from .store import read_meta, save_draft
 
@@ -48,14 +52,15 @@ def run(cfg: DraftConfig, models: ModelsConfig, tracking: TrackingStore) -> None
     device = resolve_device(models.device)
     dtype = resolve_dtype(models.dtype, device)
     check(tracking_uri(tracking.uri))  # before the corpus, not after
-    texts = {split: read_split(cfg.prompts, split)["text"][: cfg.max_prompts]
-             for split in ("val", "train")}
-    if not texts["train"] or not texts["val"]:
-        raise SpecstopError(f"{cfg.prompts}: the draft needs train and val prompts")
+    val_prompts = draft_prompts(cfg.prompts, "val", cfg.max_prompts, None)
+    train_prompts = draft_prompts(cfg.prompts, "train", cfg.max_prompts, cfg.domains)
     train_config = cfg.train.model_copy(
         update={"precision": resolve_precision(cfg.train.precision, device)})
-    train, val, vocab = _corpora(cfg, texts, models, dtype, device, out)
-    counts = token_counts(train, vocab)
+    target = load_model(models.target, dtype, device, models.target_cache)
+    layers = corpus_layers(cfg.sweep, target.model.config.num_hidden_layers)
+    train, val = _corpora(cfg, train_prompts["text"], val_prompts["text"], target, layers, out)
+    counts = token_counts(train, target.model.config.vocab_size)
+    del target
 
     for spec in cfg.sweep:
         folder = out / "sweep" / spec.name
@@ -67,7 +72,8 @@ def run(cfg: DraftConfig, models: ModelsConfig, tracking: TrackingStore) -> None
         if resume_or_set_aside(folder, recipe, out / STALE, f"draft: {folder}") \
                 and read_meta(folder) is not None:
             continue  # finished with these settings
-        _distil(spec, models, device, counts, train, val, folder, config, tracking, seed)
+        _distil(spec, models, device, counts, train, val, layers,
+                val_prompts["source"], folder, config, tracking, seed)
 
     results = {spec.name: _measure(spec, out / "sweep" / spec.name, cfg, models)
                for spec in cfg.sweep}
@@ -76,9 +82,12 @@ def run(cfg: DraftConfig, models: ModelsConfig, tracking: TrackingStore) -> None
     best = results[winner]
     warning = _useless_draft_warning(best, train_config.precision)
     write_json(cfg.metrics,
-               {"alpha": best["alpha"], "c": best["c"], "default": winner,
+               {"alpha": best["alpha"], "alpha_by_domain": best["alpha_by_domain"],
+                "train_alpha": best["train_alpha"], "c": best["c"], "default": winner,
                 "sd_speedup": best["measured_speedup"], "sd_acceptance": best["sd_acceptance"],
-                "gamma": best["best_gamma"], "precision": train_config.precision, "dtype": best["dtype"],
+                "sd_acceptance_by_level": best["sd_acceptance_by_level"],
+                "gamma": best["best_gamma"], "corpus": _corpus_summary(out / "corpus"),
+                "precision": train_config.precision, "dtype": best["dtype"],
                 "cpu_native_bf16": cpu_has_bf16(), "warning": warning, "drafts": results})
     _write_plots(cfg.plots, results, out / "sweep")
     print(_table(results, winner))
@@ -104,35 +113,76 @@ def _likely_cause(best: dict) -> str:
     return f"a draft step too slow for its acceptance (c {best['c']:.3f})"
 
 
-def _corpora(cfg: DraftConfig, texts: dict[str, list[str]], models: ModelsConfig,
-             dtype: torch.dtype, device: torch.device,
-             out: Path) -> tuple[list[Sequence], list[Sequence], int]:
-    """Train responses (sampled), held-out val responses (greedy), the target's vocabulary."""
-    target = load_model(models.target, dtype, device, models.target_cache)
-    val = build_corpus(target.model, target.tokenizer, texts["val"], out / "corpus" / "val",
-                       cfg.corpus.model_copy(update={"samples_per_prompt": 1}), cfg.seed,
+def draft_prompts(folder: Path, split: str, cap: int | None,
+             domains: dict[str, float] | None) -> dict[str, list[str]]:
+    """The split's texts and sources: its first `cap` (the sources interleaved), or with
+    `domains` round(cap * fraction) of each named source's first ones."""
+    rows = read_split(folder, split, ("text", "source"))
+    if not rows["text"]:
+        raise SpecstopError(f"{folder}: the draft needs train and val prompts ({split} is empty)")
+    if domains is None:
+        return {k: v[:cap] for k, v in rows.items()}
+    unknown = sorted(set(domains) - set(rows["source"]))
+    if unknown:
+        raise SpecstopError(f"draft.domains: no {split} prompts from source '{unknown[0]}' in "
+                            f"{folder} (sources: {', '.join(sorted(set(rows['source'])))})")
+    cap = cap or len(rows["text"])
+    keep = [i for name, share in domains.items()
+            for i in [j for j, s in enumerate(rows["source"]) if s == name][: round(cap * share)]]
+    return {k: [v[i] for i in sorted(keep)] for k, v in rows.items()}
+
+
+def corpus_layers(sweep: list[DraftSpec], num_layers: int) -> tuple[int, ...]:
+    """The target's hidden-state layers the corpus keeps: the fused heads' and the last (-1)."""
+    fused = fusion_layers(num_layers) if any(spec.fuse for spec in sweep) else ()
+    return (*fused, *LAST_LAYER)
+
+
+def _corpora(cfg: DraftConfig, train_texts: list[str], val_texts: list[str], target,
+             layers: tuple[int, ...], out: Path) -> tuple[list[Sequence], list[Sequence]]:
+    """Train responses (at every corpus temperature), held-out val responses (greedy)."""
+    val = build_corpus(target.model, target.tokenizer, val_texts, out / "corpus" / "val",
+                       cfg.corpus.model_copy(update={"temperatures": [0.0]}), layers, cfg.seed,
                        "val responses", out / STALE)
-    train = build_corpus(target.model, target.tokenizer, texts["train"], out / "corpus" / "train",
-                         cfg.corpus, cfg.seed, "train responses", out / STALE)
-    return train, val, target.model.config.vocab_size
+    train = build_corpus(target.model, target.tokenizer, train_texts, out / "corpus" / "train",
+                         cfg.corpus, layers, cfg.seed, "train responses", out / STALE)
+    return train, val
+
+
+def _corpus_summary(folder: Path) -> dict:
+    """Per split: responses, tokens and the generation's tokens/s (`corpus_timing`)."""
+    return {split: corpus_timing(folder / split) for split in ("train", "val")}
 
 
 def _distil(spec: DraftSpec, models: ModelsConfig, device: torch.device, counts: torch.Tensor,
-            train: list[Sequence], val: list[Sequence], folder: Path, config: DraftTrainConfig,
+            train: list[Sequence], val: list[Sequence], layers: tuple[int, ...],
+            val_sources: list[str], folder: Path, config: DraftTrainConfig,
             tracking: TrackingStore, seed: int) -> None:
-    """Build one draft from an fp32 copy of the target, distil it, save the folder."""
+    """Build one draft from an fp32 copy of the target, distil it, save the folder with its
+    val alpha per source and its alpha on (as many) greedy train responses."""
     target = load_model(models.target, torch.float32, device, models.target_cache)
     eos = target.tokenizer.eos_token_id
     vocab_ids = None if not spec.vocab else most_frequent_tokens(
         counts, spec.vocab, [eos] if eos is not None else [])
-    build = build_feature_head if spec.family == "feature" else build_compact
-    draft = build(target.model, spec.layers, vocab_ids).float().train()
-    module = DraftDistiller(draft, spec.family, vocab_ids, target.model.config.vocab_size, config)
+    torch.manual_seed(config.seed)  # the fresh layers' initialisation, whatever ran before
+    if spec.family == "feature":
+        draft = build_feature_head(target.model, spec.layers, vocab_ids, spec.fuse)
+    else:
+        draft = build_compact(target.model, spec.layers, vocab_ids)
+    draft = draft.float().train()
+    module = DraftDistiller(draft, spec.family, vocab_ids, target.model.config.vocab_size,
+                            config, layers)
     logger = _mlflow_logger(tracking, spec, folder)
     start = time.perf_counter()
     metrics = fit(module, train, val, folder, logger)
     draft.eval()
+    by_domain = {name: greedy_agreement(module, [s for s in val if val_sources[s.prompt_index]
+                                                 == name], config.batch_size)
+                 for name in sorted(set(val_sources))}
+    greedy_train = [s for s in train if s.temperature == 0][: len(val)]
     info = {"name": spec.name, "layers": spec.layers, "train_metrics": metrics,
+            "alpha_by_domain": by_domain,
+            "train_alpha": greedy_agreement(module, greedy_train, config.batch_size),
             "train_seconds_last_run": round(time.perf_counter() - start, 1),
             "train_sequences": len(train),
             "train_tokens": int(sum(s.ids.shape[0] for s in train)), "seed": seed}
@@ -197,14 +247,24 @@ def _measure(spec: DraftSpec, folder: Path, cfg: DraftConfig, models: ModelsConf
     best = results[1 + gammas.index(best_gamma)]
     curve = read_curve(folder / "curve.csv")
     return {"name": spec.name, "family": spec.family, "layers": spec.layers, "vocab": spec.vocab or "full",
-            "alpha": alpha, "c": c, "predicted_speedup": predicted[best_predicted],
+            "fuse": spec.fuse, "alpha": alpha, "alpha_by_domain": meta.get("alpha_by_domain"),
+            "train_alpha": meta.get("train_alpha"), "c": c, "predicted_speedup": predicted[best_predicted],
             "predicted_gamma": best_predicted, "measured_speedup": measured[best_gamma],
             "best_gamma": best_gamma, "measured_by_gamma": measured,
             "sd_acceptance": best.stats.acceptance_rate,
+            "sd_acceptance_by_level": acceptance_by_level(best.accepted_per_round, best_gamma),
             "identical_to_ar": f"{best.identical_to_ar}/{len(prompts)}",
             "ar_tokens_per_s": ar, "sd_tokens_per_s": best.stats.tokens_per_s,
             "train_seconds": curve[-1]["train_seconds"] if curve else None,
             "dtype": str(runtime.target.dtype).removeprefix("torch.")}
+
+
+def acceptance_by_level(accepted_per_round: list[int], gamma: int) -> list[float | None]:
+    """P(level k accepted | level k-1 accepted), k = 1..gamma, over rounds that drafted gamma
+    levels and accepted `accepted_per_round` of them (None where no round reached level k-1)."""
+    reached = [sum(a >= k for a in accepted_per_round) for k in range(gamma + 1)]
+    return [reached[k] / reached[k - 1] if reached[k - 1] else None
+            for k in range(1, gamma + 1)]
 
 
 def _predicted_speedup(alpha: float, c: float, gamma: int, verify: VerifyCosts | None) -> float:
@@ -237,10 +297,11 @@ def _write_plots(folder: Path, results: dict, sweep: Path) -> None:
         f"{name},{r['alpha']:.4f},{r['c']:.4f},{r['predicted_speedup']:.4f},"
         f"{r['measured_speedup']:.4f}" for name, r in results.items()]
     write_atomic(folder / "sweep.csv", lambda tmp: tmp.write_text("\n".join(rows) + "\n"))
-    curve = ["draft,step,train_seconds,sequences_seen,val_alpha"]
+    curve = ["draft,step,train_seconds,sequences_seen,tokens_seen,val_alpha"]
     for name in results:
         curve += [f"{name},{int(r['step'])},{r['train_seconds']:.1f},{int(r['sequences_seen'])},"
-                  f"{r['val_alpha']:.4f}" for r in read_curve(sweep / name / "curve.csv")]
+                  f"{int(r['tokens_seen'])},{r['val_alpha']:.4f}"
+                  for r in read_curve(sweep / name / "curve.csv")]
     write_atomic(folder / "learning_curve.csv", lambda tmp: tmp.write_text("\n".join(curve) + "\n"))
 
 

@@ -92,5 +92,6 @@ def write_chat_prompts(prompts: Path, target: Path, splits: dict[str, list[str]]
     for split, requests in splits.items():
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": r}], tokenize=False,
                                                add_generation_prompt=True) for r in requests]
-        pq.write_table(pa.table({"prompt_id": [f"p-{r}" for r in requests], "text": texts}),
+        pq.write_table(pa.table({"prompt_id": [f"p-{r}" for r in requests],
+                                 "source": ["requests"] * len(requests), "text": texts}),
                        prompts / f"{split}.parquet")

@@ -3,13 +3,15 @@ loop with them, the feature head's cache bookkeeping, and one training step."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specstop.drafts.families import build_compact, build_feature_head, most_frequent_tokens
+from specstop.drafts.families import (build_compact, build_feature_head, fusion_layers,
+                                      most_frequent_tokens)
 from specstop.drafts.store import read_meta, save_draft
 from specstop.decoder.drafter import FeatureDrafter, ModelDrafter
 from specstop.common.errors import SpecstopError
@@ -17,8 +19,10 @@ from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, generate
 from specstop.drafts.loading import load_runtime, plain_assistant, plain_drafter
 from specstop.drafts.corpus import Sequence, token_counts
-from specstop.common.params import DraftTrainConfig
-from specstop.drafts.distill import DraftDistiller, collate, fit, read_curve, resolve_precision
+from specstop.common.params import DraftSpec, DraftTrainConfig
+from specstop.drafts.distill import (DraftDistiller, EpochBatches, collate, fit, read_curve,
+                                     resolve_precision)
+from specstop.drafts.sweep import acceptance_by_level, corpus_layers
 
 from conftest import tiny_llama
 
@@ -35,8 +39,8 @@ def target():
 
 
 def drafter_for(target, family: str, vocab_ids):
-    if family == "feature":
-        head = build_feature_head(target, 1, vocab_ids).eval()
+    if family in ("feature", "fused"):
+        head = build_feature_head(target, 1, vocab_ids, fuse=family == "fused").eval()
         return FeatureDrafter(KVModel(head, vocab_size=VOCAB, vocab_ids=vocab_ids))
     draft = build_compact(target, 1, vocab_ids).eval()
     return ModelDrafter(KVModel(draft, vocab_size=VOCAB, vocab_ids=vocab_ids))
@@ -53,7 +57,7 @@ def test_most_frequent_tokens_keeps_the_forced_ids():
     assert most_frequent_tokens(counts, 0, []).tolist() == [0, 1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("family", ["compact", "feature"])
+@pytest.mark.parametrize("family", ["compact", "feature", "fused"])
 @pytest.mark.parametrize("pruned", [False, True], ids=["full-vocab", "pruned-vocab"])
 @pytest.mark.parametrize("config", EXACT, ids=lambda c: c.method)
 def test_both_families_keep_greedy_decoding_exact(target, family, pruned, config):
@@ -88,10 +92,11 @@ class RecordingFeatureDrafter(FeatureDrafter):
         return logits
 
 
-def test_feature_head_cache_matches_a_fresh_pass(target):
+@pytest.mark.parametrize("fuse", [False, True], ids=["last-layer", "fused"])
+def test_feature_head_cache_matches_a_fresh_pass(target, fuse):
     """After any accepted path, the head's cached view equals a fresh, uncached pass over the
     committed sequence with the target's own features (no predicted feature is ever kept)."""
-    head = build_feature_head(target, 1, None).eval()
+    head = build_feature_head(target, 1, None, fuse=fuse).eval()
     drafter = RecordingFeatureDrafter(KVModel(head, vocab_size=VOCAB))
     prompt = prompts(3)[2]
     config = DecodeConfig(method="ti-mcsd", max_depth=3, ti_width=2, max_new_tokens=24)
@@ -105,7 +110,8 @@ def assert_roots_match_a_fresh_pass(target, head, drafter: "RecordingFeatureDraf
     sequence with the target's own features."""
     sequence = torch.cat([prompt, torch.tensor(tokens)])
     with torch.no_grad():
-        hidden = target(input_ids=sequence[None], output_hidden_states=True).hidden_states[-1]
+        states = target(input_ids=sequence[None], output_hidden_states=True).hidden_states
+        hidden = head.project(torch.cat([states[i] for i in head.target_layers], dim=-1))
         fresh = head(input_ids=sequence[None, 1:], features=hidden[:, :-1],
                      position_ids=torch.arange(1, sequence.shape[0])[None]).logits[0]
     assert len(drafter.roots) > 3
@@ -121,15 +127,25 @@ def test_saved_drafts_load_through_the_runtime(tiny_model_dir: Path, tmp_path: P
     vocab_ids = most_frequent_tokens(counts, 512, [tokenizer.eos_token_id])
     prompt = runtime.encode("def add(a, b):")
     ar = runtime.generate(prompt, DecodeConfig(method="ar", max_new_tokens=12)).tokens
-    for family, build in [("compact", build_compact), ("feature", build_feature_head)]:
-        folder = tmp_path / family
-        save_draft(folder, build(model, 1, vocab_ids), family, model, vocab_ids, {"name": family},
-                   tokenizer=tokenizer)
+    builds = [("compact", build_compact(model, 1, vocab_ids)),
+              ("feature", build_feature_head(model, 1, vocab_ids)),
+              ("fused", build_feature_head(model, 1, vocab_ids, fuse=True))]
+    for name, draft in builds:
+        folder = tmp_path / name
+        family = "compact" if name == "compact" else "feature"
+        save_draft(folder, draft, family, model, vocab_ids, {"name": name}, tokenizer=tokenizer)
         assert read_meta(folder)["family"] == family
         loaded = load_runtime(str(tiny_model_dir), str(folder), "float32", "cpu")
         assert loaded.drafter.lm.vocab_ids.tolist() == vocab_ids.tolist()
-        out = loaded.generate(prompt, DecodeConfig(method="sd", max_depth=3, max_new_tokens=12))
+        assert loaded.drafter.target_layers == getattr(draft, "target_layers", ())
+        config = DecodeConfig(method="sd", max_depth=3, max_new_tokens=12)
+        out = loaded.generate(prompt, config)
         assert out.tokens == ar
+        if family == "feature":  # the saved head drafts what the built one drafts
+            fresh = FeatureDrafter(KVModel(draft.eval(), vocab_size=model.config.vocab_size,
+                                           vocab_ids=vocab_ids))
+            again = generate(runtime.target, fresh, prompt, config)
+            assert again.stats.accepted == out.stats.accepted
 
 
 def test_the_masked_assistant_has_the_compact_drafts_distribution(tiny_model_dir: Path,
@@ -169,27 +185,44 @@ def test_a_head_for_another_target_is_refused(tiny_model_dir: Path, tmp_path: Pa
         load_runtime(str(tiny_model_dir), str(tmp_path / "head"), "float32", "cpu")
 
 
+LAYERS = (1, 2, -1)  # the corpus layers of a sweep with a fused head on the 3-layer target
+
+
 def fake_corpus(target, n: int, seed: int) -> list[Sequence]:
     """Sequences labelled by the target itself (teacher-forced hidden states and top-k)."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(n):
+    for i in range(n):
         ids = torch.randint(0, VOCAB, (int(torch.randint(8, 20, (1,), generator=g)),), generator=g)
         with torch.no_grad():
             result = target(input_ids=ids[None], output_hidden_states=True)
         probs = torch.softmax(result.logits[0], -1).topk(8)
-        out.append(Sequence(ids, 4, result.hidden_states[-1][0].bfloat16(),
-                            probs.indices.int(), probs.values.half()))
+        hidden = torch.stack([result.hidden_states[j][0] for j in LAYERS], dim=1)
+        out.append(Sequence(ids, 4, hidden.bfloat16(), probs.indices.int(), probs.values.half(),
+                            i, 0.0))
     return out
 
 
-@pytest.mark.parametrize("family", ["compact", "feature"])
+def test_corpus_layers_hold_what_the_sweep_reads():
+    feature = DraftSpec(family="feature", layers=1)
+    assert fusion_layers(30) == (2, 15, 27)  # EAGLE-3's low, middle and high layers
+    assert corpus_layers([feature], 30) == (-1,)
+    assert corpus_layers([feature, feature.model_copy(update={"fuse": True})], 30) == (2, 15, 27, -1)
+    assert corpus_layers([], 3) == (-1,) and fusion_layers(3) == (1, 2)
+
+
+@pytest.mark.parametrize("family", ["compact", "feature", "fused"])
 def test_one_training_step_lowers_the_loss(target, family):
     torch.manual_seed(0)
-    build = build_feature_head if family == "feature" else build_compact
-    draft = build(target, 1, PRUNED).float().train()
-    config = DraftTrainConfig(lr=3e-3, warmup_steps=1, feature_noise=0.0)
-    module = DraftDistiller(draft, family, PRUNED, VOCAB, config)
+    if family == "compact":
+        draft = build_compact(target, 1, PRUNED)
+    else:
+        draft = build_feature_head(target, 1, PRUNED, fuse=family == "fused")
+        assert set(draft.target_layers) <= set(LAYERS)
+    draft = draft.float().train()
+    config = DraftTrainConfig(lr=3e-3, warmup_steps=1, feature_noise=0.0, unroll=2)
+    module = DraftDistiller(draft, "compact" if family == "compact" else "feature", PRUNED,
+                            VOCAB, config, LAYERS)
     batch = collate(fake_corpus(target, 6, seed=1))
     optimizer = module.configure_optimizers()["optimizer"]
     before, _, _ = module(batch)
@@ -218,15 +251,29 @@ def test_training_resumes_from_its_last_checkpoint(target, tmp_path: Path):
         draft = build_compact(target, 1, PRUNED).float().train()
         config = DraftTrainConfig(max_epochs=epochs, batch_size=4, val_every_steps=1,
                              precision="32-true", patience=100)
-        module = DraftDistiller(draft, "compact", PRUNED, VOCAB, config)
+        module = DraftDistiller(draft, "compact", PRUNED, VOCAB, config, LAYERS)
         fit(module, corpus, corpus[:2], tmp_path, None)
         return torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
 
     assert run(1)["global_step"] == 2
     resumed = run(2)
     assert resumed["global_step"] == 4 and resumed["epoch"] == 1
-    steps = [int(row["step"]) for row in read_curve(tmp_path / "curve.csv")]
-    assert steps == [1, 2, 3, 4]  # one validation (and checkpoint) per step, none repeated
+    curve = read_curve(tmp_path / "curve.csv")
+    assert [int(row["step"]) for row in curve] == [1, 2, 3, 4]  # one validation per step
+    taught = [sum(s.ids.shape[0] - 1 for s in batch) for epoch in (0, 1)
+              for batch in _epoch_batches(corpus, 4, epoch)]
+    assert [int(row["tokens_seen"]) for row in curve] == list(itertools.accumulate(taught))
+
+
+def _epoch_batches(corpus: list[Sequence], size: int, epoch: int) -> list[list[Sequence]]:
+    sampler = EpochBatches(len(corpus), size, seed=0)
+    sampler.epoch = epoch
+    return [[corpus[i] for i in batch] for batch in sampler]
+
+
+def test_acceptance_by_level_is_conditional_on_the_level_above():
+    assert acceptance_by_level([0, 1, 2, 2, 3], 3) == [4 / 5, 3 / 4, 1 / 3]
+    assert acceptance_by_level([0, 0], 2) == [0.0, None]
 
 
 @pytest.mark.parametrize("flags, native", [("fpu sse avx2 fma", False),

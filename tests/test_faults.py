@@ -197,6 +197,12 @@ CASES: dict[str, Case] = {
                           _set("draft", "train", "precision", "bf16")),
     "bad-sweep-entry": Case(["draft"], "draft.sweep[0].layers: required key missing",
                             _set("draft", "sweep", [{"family": "feature"}])),
+    "fused-compact-draft": Case(["draft"], "draft.sweep[0]: fuse: only a feature head reads "
+                                "the target's layers", _set("draft", "sweep", [
+                                    {"family": "compact", "layers": 1, "fuse": True}])),
+    "domains-not-summing-to-one": Case(["draft"], "draft: domains: the fractions must sum to 1, "
+                                       "got 0.9", _set("draft", "domains",
+                                                       {"humaneval": 0.5, "magpie": 0.4})),
     "bad-profile-value": Case(["train"], "params.yaml: profiles.tiny.train.mlp.max_epochs: "
                               "expected an integer >= 1, got 0",
                               _set("profiles", "tiny", "train", "mlp", "max_epochs", 0)),

@@ -54,7 +54,7 @@ def workdir(folder: Path, target: Path) -> Path:
                     "max_depth": 4, "ti_width": 2},
         "draft": {"out": "data/draft", "metrics": "metrics/draft.json",
                   "plots": "metrics/draft_plots", "prompts": "data/prompts",
-                  "corpus": {"samples_per_prompt": SAMPLES, "max_new_tokens": 24,
+                  "corpus": {"temperatures": [0.0, 1.0][:SAMPLES], "max_new_tokens": 24,
                              "batch_size": 2, "top_k": 4},
                   "sweep": [{"family": "feature", "layers": 1, "vocab": 256}],
                   "train": {"max_minutes": 60, "max_epochs": 4, "batch_size": BATCH,

@@ -535,7 +535,7 @@ def test_sampling_walk_stops_at_an_accepted_eos(scripted: ScriptedUniform) -> No
 class BigramDraft:
     """A drafter whose logits after token a are log q[a] (nothing cached)."""
 
-    needs_target_hidden = False
+    target_layers: tuple[int, ...] = ()
 
     def __init__(self, q: torch.Tensor) -> None:  # [V, V]
         self.logits = q.log()

@@ -16,17 +16,17 @@ from specstop.pipeline.workspace import make_workspace
 from conftest import ROOT
 
 FEATURE, COMPACT = {"family": "feature", "layers": 1}, {"family": "compact", "layers": 2}
-PARAMS = {"draft": {"corpus": {"samples_per_prompt": 3, "top_k": 16}, "sweep": [FEATURE, COMPACT]},
+PARAMS = {"draft": {"corpus": {"temperatures": [0.0, 0.7, 1.0], "top_k": 16}, "sweep": [FEATURE, COMPACT]},
           "bench": {"prompts": 8},
-          "profiles": {"small": {"draft": {"corpus": {"samples_per_prompt": 1},
+          "profiles": {"small": {"draft": {"corpus": {"temperatures": [0.0]},
                                            "sweep": [COMPACT]}}}}
 
 
 def test_profile_merges_mappings_and_replaces_the_rest():
     assert apply_profile(PARAMS, "small") == {
-        "draft": {"corpus": {"samples_per_prompt": 1, "top_k": 16}, "sweep": [COMPACT]},
+        "draft": {"corpus": {"temperatures": [0.0], "top_k": 16}, "sweep": [COMPACT]},
         "bench": {"prompts": 8}}
-    assert PARAMS["draft"]["corpus"]["samples_per_prompt"] == 3  # the input is left alone
+    assert PARAMS["draft"]["corpus"]["temperatures"] == [0.0, 0.7, 1.0]  # the input is left alone
 
 
 @pytest.mark.parametrize("profiles, name, message", [
