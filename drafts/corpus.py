@@ -3,11 +3,11 @@
 The target answers the training prompts once per entry of `temperatures` (0 = greedy) in
 batched decoding written for this job (`_generate_batch`): the prompts of a batch are of
 similar length (sorted), a prompt is prefilled once for all its temperatures, each row has its
-own temperature, and a row leaves the batch (and its cache) when its response ends.  The forwards that generate a response also give the teacher's
-data, so there is no second pass: at every position the chosen layers' hidden states (what a
-feature-conditioned head reads) and the top-k next-token distribution (what every draft is
-taught).  Shards are written atomically, one per batch, so an interrupted run resumes at the
-next missing shard.
+own temperature, and a row leaves the batch (and its cache) when its response ends.  The
+forwards that generate a response also give the teacher's data, so there is no second pass:
+at every position the chosen layers' hidden states (what a feature-conditioned head reads) and
+the top-k next-token distribution (what every draft is taught).  Shards are written
+atomically, one per batch, so an interrupted run resumes at the next missing shard.
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ def _generate_batch(model, rows: list[tuple[torch.Tensor, int, float]], config: 
         step_hidden = _layers(out.hidden_states, layers)[:, -1]
         for j, row in enumerate(active.tolist()):
             records[row].append((step_hidden[j:j + 1], top[0][j:j + 1], top[1][j:j + 1]))
-        done = torch.tensor([responses[row][-1] == eos or len(responses[row]) == config.max_new_tokens
+        done = torch.tensor([responses[row][-1] == eos
+                             or len(responses[row]) == config.max_new_tokens
                              for row in active.tolist()])
         if done.any():
             keep = (~done).nonzero().flatten().to(device)
@@ -189,7 +190,8 @@ def _next_tokens(logits: torch.Tensor, temperature: torch.Tensor,
 class InPlaceLayer(DynamicLayer):
     """A cache layer whose keys and values live in buffers allocated once for `capacity`
     positions and written in place: a step appends without copying the cache (a
-    `DynamicLayer` concatenates, copying all of it, at every step)."""
+    `DynamicLayer` concatenates, copying all of it, at every step).  Only `update` and
+    `select_rows` keep the buffers and views consistent: the corpus' decoder calls nothing else."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__()

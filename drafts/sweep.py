@@ -114,7 +114,7 @@ def _likely_cause(best: dict) -> str:
 
 
 def draft_prompts(folder: Path, split: str, cap: int | None,
-             domains: dict[str, float] | None) -> dict[str, list[str]]:
+                  domains: dict[str, float] | None) -> dict[str, list[str]]:
     """The split's texts and sources: its first `cap` (the sources interleaved), or with
     `domains` round(cap * fraction) of each named source's first ones."""
     rows = read_split(folder, split, ("text", "source"))
@@ -127,8 +127,10 @@ def draft_prompts(folder: Path, split: str, cap: int | None,
         raise SpecstopError(f"draft.domains: no {split} prompts from source '{unknown[0]}' in "
                             f"{folder} (sources: {', '.join(sorted(set(rows['source'])))})")
     cap = cap or len(rows["text"])
-    keep = [i for name, share in domains.items()
-            for i in [j for j, s in enumerate(rows["source"]) if s == name][: round(cap * share)]]
+    keep = []
+    for name, share in domains.items():
+        of_source = [i for i, source in enumerate(rows["source"]) if source == name]
+        keep += of_source[: round(cap * share)]
     return {k: [v[i] for i in sorted(keep)] for k, v in rows.items()}
 
 
@@ -176,9 +178,9 @@ def _distil(spec: DraftSpec, models: ModelsConfig, device: torch.device, counts:
     start = time.perf_counter()
     metrics = fit(module, train, val, folder, logger)
     draft.eval()
-    by_domain = {name: greedy_agreement(module, [s for s in val if val_sources[s.prompt_index]
-                                                 == name], config.batch_size)
-                 for name in sorted(set(val_sources))}
+    by_domain = {name: greedy_agreement(
+        module, [s for s in val if val_sources[s.prompt_index] == name], config.batch_size)
+        for name in sorted(set(val_sources))}
     greedy_train = [s for s in train if s.temperature == 0][: len(val)]
     info = {"name": spec.name, "layers": spec.layers, "train_metrics": metrics,
             "alpha_by_domain": by_domain,
@@ -248,7 +250,8 @@ def _measure(spec: DraftSpec, folder: Path, cfg: DraftConfig, models: ModelsConf
     curve = read_curve(folder / "curve.csv")
     return {"name": spec.name, "family": spec.family, "layers": spec.layers, "vocab": spec.vocab or "full",
             "fuse": spec.fuse, "alpha": alpha, "alpha_by_domain": meta.get("alpha_by_domain"),
-            "train_alpha": meta.get("train_alpha"), "c": c, "predicted_speedup": predicted[best_predicted],
+            "train_alpha": meta.get("train_alpha"), "c": c,
+            "predicted_speedup": predicted[best_predicted],
             "predicted_gamma": best_predicted, "measured_speedup": measured[best_gamma],
             "best_gamma": best_gamma, "measured_by_gamma": measured,
             "sd_acceptance": best.stats.acceptance_rate,

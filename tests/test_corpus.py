@@ -118,6 +118,7 @@ def test_a_corpus_resumes_its_shards_and_times_the_ones_it_made(tiny_model_dir, 
     assert timing["shards"] == 2 and timing["response_tokens"] == sum(
         s.ids.shape[0] - s.prompt_len for s in made) and timing["tokens_per_s"] > 0
     (folder / "shard-00001.pt").unlink()
-    again = build_corpus(model, tokenizer, texts, folder, config, (-1,), 0, "test", tmp_path / "old")
+    again = build_corpus(model, tokenizer, texts, folder, config, (-1,), 0, "test",
+                         tmp_path / "old")
     assert all(torch.equal(a.ids, b.ids) and torch.equal(a.hidden, b.hidden)
                for a, b in zip(made, again))

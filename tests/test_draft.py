@@ -207,7 +207,8 @@ def test_corpus_layers_hold_what_the_sweep_reads():
     feature = DraftSpec(family="feature", layers=1)
     assert fusion_layers(30) == (2, 15, 27)  # EAGLE-3's low, middle and high layers
     assert corpus_layers([feature], 30) == (-1,)
-    assert corpus_layers([feature, feature.model_copy(update={"fuse": True})], 30) == (2, 15, 27, -1)
+    fused = feature.model_copy(update={"fuse": True})
+    assert corpus_layers([feature, fused], 30) == (2, 15, 27, -1)
     assert corpus_layers([], 3) == (-1,) and fusion_layers(3) == (1, 2)
 
 

@@ -74,7 +74,8 @@ class TableLM:
 
     def extend_with_hidden(self, ids: torch.Tensor, positions: torch.Tensor,
                            tail_allow: torch.Tensor | None, features: None = None,
-                           last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           last_only: bool = False,
+                           layers: tuple[int, ...] = (-1,)) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.extend(ids, positions, tail_allow)
         return (logits[-1:] if last_only else logits), logits[:, :0]
 
