@@ -96,7 +96,8 @@ def _generate_batch(model, rows: list[tuple[torch.Tensor, int, float]], config: 
     cache_kw = cache_keyword(model)
     mask, logits, prompt_records = _prefill(model, list(unique.values()), cache, cache_kw,
                                             layers, config.top_k)
-    of_row = torch.tensor([list(unique).index(index) for _, index, _ in rows], device=device)
+    position = {index: k for k, index in enumerate(unique)}  # a prompt's row in the prefill
+    of_row = torch.tensor([position[index] for _, index, _ in rows], device=device)
     _select_rows(cache, of_row)
     mask, logits = mask[of_row], logits[of_row]
     records = [[prompt_records[i]] for i in of_row.tolist()]

@@ -7,9 +7,9 @@ and is trained as it is used: `unroll` passes, each fed the previous pass's pred
 (EAGLE-3's training-time test).  A checkpoint after every validation lets an interrupted run
 resume exactly: the checkpoint holds the position in the epoch's batch order and the global
 RNG states, so a resumed run trains on the same batches with the same noise as an
-uninterrupted one.  Early stopping watches val alpha
-(greedy agreement on the held-out responses) and the best weights are kept; metrics, the
-learning curve against seconds and tokens seen among them, go to MLflow.
+uninterrupted one.  Early stopping watches val alpha (greedy agreement on the held-out
+responses) and the best weights are kept; metrics, the learning curve against seconds and
+tokens seen among them, go to MLflow.
 """
 
 from __future__ import annotations
