@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install repro smoke test clean
+.PHONY: install repro smoke test gpu-check clean
 
 install: $(STAMP)
 
@@ -30,6 +30,11 @@ smoke: install
 test: install
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/pytest -q
+
+# the prepared GPU check (scripts/gpu_check.sh): installs nothing, so it does not depend on
+# `install`; outputs under $$OUT, else build/gpu-check/ (GPU_CHECK_DEVICE=cpu: a dry run)
+gpu-check:
+	VENV=$(VENV) bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache build

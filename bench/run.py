@@ -36,7 +36,7 @@ from specstop.decoder.runtime import Runtime, decode_config
 from specstop.decoder.stop_model import LearnedPolicy, load_stop_model
 from specstop.decoder.tree_rule import TreeRule
 from specstop.drafts.loading import (is_plain_draft, plain_assistant, plain_drafter, require_draft,
-                                     runtime_from)
+                                     runtime_from, with_drafter)
 from specstop.evaluation.side_by_side import Method, bench_methods, decoder_method
 from specstop.models.export import WINNER_FILE
 from specstop.prompts.splits import interleave, read_split
@@ -215,7 +215,7 @@ def _peers(runtime: Runtime, plan: Plan, models: ModelsConfig) -> Peers | None:
     if plan.peer_draft == models.draft:
         return Peers(runtime, assistant, dynamic, "sd")
     drafter = plain_drafter(plan.peer_draft, runtime, models.target_cache)
-    return Peers(dataclasses.replace(runtime, drafter=drafter), assistant, dynamic, SAME_DRAFT_SD)
+    return Peers(with_drafter(runtime, drafter), assistant, dynamic, SAME_DRAFT_SD)
 
 
 def _read_json(path: Path, stage: str | None) -> dict:

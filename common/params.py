@@ -63,6 +63,8 @@ class ModelsConfig(Section):
     draft: str = paths.DEFAULT_DRAFT  # a draft folder, any LM with the same tokenizer, or layers:N
     dtype: Dtype = "auto"  # auto = bf16 where the hardware has it natively, else float32
     device: Device = "auto"
+    cpu_kernel: Literal["onednn", "aten"] = "onednn"  # linear layers on a CPU: oneDNN with
+    # prepacked weights (a pass over a few tokens costs about one step) or aten's
     cache_dir: Path | None = None  # where `embedded` is converted; None: the per-user cache
 
     @property

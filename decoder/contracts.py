@@ -45,13 +45,17 @@ class Verdict:
 
     path: node indices from the root (the committed one, or lossy ti-mcsd's winner) down to the
         last accepted node.
+    path_tokens: their token ids (the host's copy: what the round emits).
+    path_index: [len(path)] long, `path` on the tokens' device (for gathers without a copy).
     next_dist: [V] distribution the next round's root is drawn from (the residual after a
         rejection, else the target's distribution after the last accepted node); None when an
         accepted EOS ended the sequence.
-    labels: [n] int8 per drafted node: 1 accepted, 0 rejected, -1 not reached (an earlier
-        token of its branch was rejected).
+    labels: [n] int8 per node (on the tokens' device): 1 accepted, 0 rejected, -1 not reached
+        (an earlier token of its branch was rejected; the roots).
     """
 
     path: list[int]
+    path_tokens: list[int]
+    path_index: torch.Tensor
     next_dist: torch.Tensor | None
     labels: torch.Tensor

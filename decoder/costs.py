@@ -25,6 +25,7 @@ from specstop.common.errors import DataError, SpecstopError, first_line
 from specstop.common.files import write_json
 from specstop.features import RoundContext, draft_features, root_statistics
 
+from .kernels import kernel_of
 from .kv import KVModel
 from .policy import ConfidenceThreshold
 from .tree import Tree
@@ -39,6 +40,7 @@ class VerifyCosts:
     device: str
     context: int
     seconds: dict[int, float]  # n -> seconds
+    kernel: str = "aten"  # the CPU linear kernel (`kernels.kernel_of`); tables before it: aten
 
     def ratio(self, n: int) -> float:
         """v(n): cost of a pass over n tokens relative to a one-token step."""
@@ -103,7 +105,7 @@ def measure_verify_costs(lm: KVModel, name: str, widths: list[int], context: int
 
     lm.reset()
     lm.extend(prompt, torch.arange(context), None, features(context))
-    keep = torch.arange(context)
+    no_nodes = torch.empty(0, dtype=torch.long)  # a round keeps the context alone
     batches = {}
     for n in sorted(set([1, *widths])):
         ids = torch.randint(0, vocab, (n,), generator=generator)
@@ -118,10 +120,11 @@ def measure_verify_costs(lm: KVModel, name: str, widths: list[int], context: int
                 torch.cuda.synchronize()
             if i >= 2:  # the first two rounds warm up
                 times[n].append(time.perf_counter() - start)
-            lm.retain(keep)
+            lm.retain(context, no_nodes)
     seconds = {n: statistics.median(t) for n, t in times.items()}
     lm.reset()
-    return VerifyCosts(name, str(lm.dtype).removeprefix("torch."), lm.device.type, context, seconds)
+    return VerifyCosts(name, str(lm.dtype).removeprefix("torch."), lm.device.type, context, seconds,
+                       kernel_of(lm.model))
 
 
 def measure_costs(target: KVModel, draft: KVModel | None, tree: Tree, repeats: int = 10,

@@ -3,7 +3,7 @@
 A drafter turns the tokens of one tree level into the draft's next-token logits for each of
 them; the decode loop samples the children (`draft_children`), so every drafter works with
 every tree shape, stopping policy and verification rule.  The drafter keeps its own cache (its
-masks come from `Tree`, the positions it keeps from `kv.kept_positions`) and is told after each
+masks come from `Tree`, `KVModel.retain` keeps its accepted nodes) and is told after each
 round which path the target accepted, and which of its nodes it was fed (a round may feed only
 some nodes: those of a static tree above its last drafted level, the `tree` method's expanded
 ones).  A drafter with `target_layers` also receives the target's hidden states of those layers
@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from .kv import KVModel, kept_positions
+from .kv import KVModel
 from .sampling import Sampling
 from .tree import Tree
 
@@ -43,7 +43,8 @@ class ModelDrafter:
     """An independent draft LM (a small model, or the target truncated) with its own KV cache.
 
     Committed tokens the draft has not seen yet (the prompt, an accepted node that was not fed)
-    wait in `pending` and are fed as a causal chain in front of the next round's roots.
+    wait in `pending` (on the draft's device) and are fed as a causal chain in front of the next
+    round's roots.
     """
 
     target_layers: tuple[int, ...] = ()
@@ -55,18 +56,18 @@ class ModelDrafter:
 
     def reset(self, prompt: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
         self.lm.reset()
-        self.pending = prompt.cpu()
+        self.pending = prompt.to(self.lm.device)
         self.committed = 0
 
     def step(self, tree: Tree, level: int, ids: torch.Tensor, root_position: int) -> torch.Tensor:
+        ids = ids.to(self.lm.device)
         if level > 0:
-            positions = torch.full((ids.shape[0],), root_position + level, dtype=torch.long)
-            return self.lm.extend(ids, positions, tree.level_rows(level))
-        m, r = self.pending.shape[0], ids.shape[0]
+            return self.lm.extend(ids, step_positions(root_position, level, 0, ids),
+                                  tree.level_bias(level, self.lm.dtype))
+        m = self.pending.shape[0]
         assert self.lm.length + m == root_position, (self.lm.length, m, root_position)
-        positions = torch.arange(root_position - m, root_position + r)
-        positions[m:] = root_position
-        logits = self.lm.extend(torch.cat([self.pending, ids.cpu()]), positions,
+        logits = self.lm.extend(torch.cat([self.pending, ids]),
+                                step_positions(root_position, 0, m, ids),
                                 tree.chain_then_roots(m))
         self.committed = root_position
         self.pending = self.pending[:0]
@@ -74,10 +75,10 @@ class ModelDrafter:
 
     def commit(self, path_tokens: torch.Tensor, fed_path: torch.Tensor,
                path_hidden: torch.Tensor | None = None) -> None:
-        keep = kept_positions(self.committed, fed_path.cpu())
-        self.lm.retain(keep)
-        self.committed = keep.shape[0]
-        self.pending = torch.cat([self.pending, path_tokens.cpu()[fed_path.shape[0]:]])
+        self.lm.retain(self.committed, fed_path)
+        self.committed = self.lm.length
+        self.pending = torch.cat([self.pending,
+                                  path_tokens[fed_path.shape[0]:].to(self.lm.device)])
 
 
 class FeatureDrafter:
@@ -104,27 +105,26 @@ class FeatureDrafter:
         self.lm.reset()
         self.committed = 0
         target_hidden = self.lm.project(target_hidden)
-        self.pending = prompt.cpu()[1:]  # position 0 has no preceding feature
+        self.pending = prompt[1:].to(self.lm.device)  # position 0 has no preceding feature
         self.pending_features = target_hidden[:-1]
         self.last_feature = target_hidden[-1]  # the feature the next root was drawn from
         self.node_features = target_hidden[:0]  # the head's predicted feature per tree node
 
     def step(self, tree: Tree, level: int, ids: torch.Tensor, root_position: int) -> torch.Tensor:
+        ids = ids.to(self.lm.device)
         if level > 0:
             parents = tree.parent[tree.level(level)].to(self.node_features.device)
-            positions = torch.full((ids.shape[0],), root_position + level, dtype=torch.long)
-            logits, hidden = self.lm.extend_with_hidden(ids, positions, tree.level_rows(level),
-                                                        self.node_features[parents])
+            logits, hidden = self.lm.extend_with_hidden(
+                ids, step_positions(root_position, level, 0, ids),
+                tree.level_bias(level, self.lm.dtype), self.node_features[parents])
             self.node_features = torch.cat([self.node_features, hidden])
             return logits
         m, r = self.pending.shape[0], ids.shape[0]
         assert self.lm.length + m == root_position - 1, (self.lm.length, m, root_position)
-        positions = torch.arange(root_position - m, root_position + r)
-        positions[m:] = root_position
         features = torch.cat([self.pending_features, self.last_feature.expand(r, -1)])
-        logits, hidden = self.lm.extend_with_hidden(torch.cat([self.pending, ids.cpu()]),
-                                                    positions, tree.chain_then_roots(m),
-                                                    features)
+        logits, hidden = self.lm.extend_with_hidden(torch.cat([self.pending, ids]),
+                                                    step_positions(root_position, 0, m, ids),
+                                                    tree.chain_then_roots(m), features)
         self.committed = self.lm.length - r
         self.node_features = hidden[m:]
         return logits[m:]
@@ -134,9 +134,9 @@ class FeatureDrafter:
         if path_hidden is None:
             raise ValueError("a feature-conditioned draft needs the target's hidden states")
         path_hidden = self.lm.project(path_hidden)
-        accepted, below_root = path_tokens.cpu(), path_hidden[:-1]
+        accepted, below_root = path_tokens.to(self.lm.device), path_hidden[:-1]
         if fed_path.shape[0] > 0:
-            self.lm.retain(kept_positions(self.committed, fed_path[:1].cpu()))
+            self.lm.retain(self.committed, fed_path[:1])
             self.committed = self.lm.length
             self.pending = accepted[1:]
             self.pending_features = below_root
@@ -145,6 +145,15 @@ class FeatureDrafter:
             self.pending_features = torch.cat([self.pending_features, self.last_feature[None],
                                                below_root])
         self.last_feature = path_hidden[-1]
+
+
+def step_positions(root_position: int, level: int, pending: int,
+                   ids: torch.Tensor) -> torch.Tensor:
+    """[pending + n] positions of a draft step feeding `ids` [n], on their device: `pending`
+    committed tokens count up to the roots' `root_position` (level 0), the nodes of `level`
+    all sit at `root_position + level`."""
+    chain = torch.arange(root_position - pending, root_position + ids.shape[0], device=ids.device)
+    return chain.clamp_max(root_position) + level
 
 
 def draft_children(

@@ -47,13 +47,14 @@ def propose_tree(
     levels = min(levels, rule.max_depth)
     drafted, frontier, decision = DraftedTree(root), np.zeros(1, dtype=np.int64), 0.0
     for depth in range(levels):
-        rows = torch.from_numpy(frontier)  # S indices of the nodes fed now
-        logits = drafter.step(drafted.fed_tree(), depth, drafted.tokens[rows], root_position)
+        rows = torch.from_numpy(frontier).to(r.device)  # S indices of the nodes fed now
+        logits = drafter.step(drafted.fed_tree().on(r.device), depth, drafted.tokens[rows],
+                              root_position)
         q = warp(logits, sampling)  # [m, V]
         kids = draft_children(q, rule.branching[depth], sampling, without_replacement, generator)
         n = kids.numel()
         start = time.perf_counter()  # a decision: the candidates' features, p-hat, the rule
-        features = draft_features(q, kids, depth + 1, torch.zeros(n), r[root].expand(n),
+        features = draft_features(q, kids, depth + 1, kids.new_zeros(n), r[root].expand(n),
                                   drafted.confidence[rows], context)
         p_hat = policy.probabilities(features).double().cpu().numpy()
         survival = np.repeat(drafted.survival[frontier], kids.shape[1]) * p_hat
@@ -128,12 +129,13 @@ class DraftedTree:
         in_v[nodes] = np.arange(len(nodes))
         parent = self.parent[nodes]
         tree = Tree.from_parents(np.where(parent >= 0, in_v[parent], -1))
-        nodes_t = torch.from_numpy(nodes).to(self.tokens.device)
-        fed = torch.from_numpy(self.fed[nodes])
-        q = torch.cat([*self.q, self.q[0].new_zeros(1, self.q[0].shape[1])])  # -1: a zero row
-        q = q[fed[: tree.size(tree.max_depth - 1)].to(q.device)]
+        fed = self.fed[nodes]
+        q_rows = fed[: tree.size(tree.max_depth - 1)]  # -1: a zero row
+        index = torch.from_numpy(np.concatenate([nodes, q_rows])).to(self.tokens.device)
+        nodes_t, q_rows_t = index.split([len(nodes), len(q_rows)])  # one copy for both
+        q = torch.cat([*self.q, self.q[0].new_zeros(1, self.q[0].shape[1])])[q_rows_t]
         level_sizes = np.diff(tree.level_start[1:]).tolist()
         features = torch.cat(self.features)[nodes_t[1:] - 1].split(level_sizes)
         return tree, Proposal(self.tokens[nodes_t], tree.max_depth, root_position, q,
-                              tuple(features), fed, len(self.q), len(self.parent) - 1,
-                              decision_seconds)
+                              tuple(features), torch.from_numpy(fed), len(self.q),
+                              len(self.parent) - 1, decision_seconds)

@@ -4,8 +4,10 @@ This is the only place that talks to a transformers model's forward and cache, s
 transformers 5.x details live here (VERIFICATION.md §4): the 4D mask is additive float (a bool
 mask is silently wrong under eager attention; the bool tree masks come from `tree.py`), flash
 attention cannot take it, the cache keyword is `cache` (`past_key_values` before 5.24), and
-compaction is an `index_select` over plain `DynamicLayer`s.  `kept_positions` is the one
-computation of which cached positions survive a round; `KVModel.retain` keeps them.
+hidden states are asked for by index (`output_hidden_states=[...]`), so a pass keeps only the
+layers a drafter reads.  The cache is made of `InPlaceLayer`s, whose keys and values live in
+buffers written in place; `KVModel.retain` keeps a round's accepted path by moving its
+positions down, O(accepted tokens) per layer.
 """
 
 from __future__ import annotations
@@ -13,14 +15,10 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.utils import ModelOutput
 
-
-def kept_positions(committed: int, nodes: torch.Tensor) -> torch.Tensor:
-    """[committed + k] cache positions to keep: the first `committed`, then the tree nodes
-    `nodes` [k] long (ascending tree indices) of the tree cached right after them."""
-    return torch.cat([torch.arange(committed), committed + nodes])
+from .tree import additive
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -29,12 +27,104 @@ def cache_keyword(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+class InPlaceLayer(CacheLayerMixin):
+    """One attention layer's cache: keys and values [B, heads, capacity, head_dim] in buffers
+    written in place, `keys`/`values` the views of the first `length` positions.
+
+    `update` appends without copying what is cached (a `DynamicLayer` concatenates, copying all
+    of it, at every forward); a write past the capacity doubles it (one copy, amortised), so
+    nothing needs to know the capacity up front, and `reserve` allocates once for a caller that
+    does.  `reset` keeps the buffers.  `retain` and `select_rows` are the only other changes of
+    contents; what transformers asks of a layer (`get_seq_length`, `get_mask_sizes`,
+    `get_max_length`) reads `length`."""
+
+    def __init__(self, capacity: int = 0) -> None:
+        super().__init__()
+        self.capacity, self.length = capacity, 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.key_buffer = _buffer_like(key_states, self.capacity)
+        self.value_buffer = _buffer_like(value_states, self.capacity)
+        self.is_initialized = True
+        self._set_length(0)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            self.reserve(max(end, 2 * self.capacity))
+        self.key_buffer[:, :, self.length:end] = key_states
+        self.value_buffer[:, :, self.length:end] = value_states
+        self._set_length(end)
+        return self.keys, self.values
+
+    def reserve(self, tokens: int) -> None:
+        """Room for at least `tokens` positions (growing copies the cached ones once)."""
+        if tokens <= self.capacity:
+            return
+        self.capacity = tokens
+        if self.is_initialized:
+            self.key_buffer = self._grown(self.key_buffer)
+            self.value_buffer = self._grown(self.value_buffer)
+            self._set_length(self.length)
+
+    def retain(self, committed: int, nodes: torch.Tensor) -> None:
+        """Keep the first `committed` positions, then the positions `committed + nodes` [k] long
+        (ascending, on the buffers' device), moved down to `committed .. committed + k`."""
+        end = committed + nodes.shape[0]
+        if nodes.shape[0]:
+            source = committed + nodes
+            for buffer in (self.key_buffer, self.value_buffer):
+                buffer[:, :, committed:end] = buffer.index_select(2, source)
+        self._set_length(end)
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Keep only the batch rows `keep` (one copy of the buffers)."""
+        self.key_buffer = self.key_buffer.index_select(0, keep)
+        self.value_buffer = self.value_buffer.index_select(0, keep)
+        self._set_length(self.length)
+
+    def reset(self) -> None:
+        self._set_length(0)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the mask for `query_length` new positions."""
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1  # grows without bound
+
+    def _grown(self, buffer: torch.Tensor) -> torch.Tensor:
+        grown = _buffer_like(buffer, self.capacity)
+        grown[:, :, :self.length] = buffer[:, :, :self.length]
+        return grown
+
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        if self.is_initialized:
+            self.keys = self.key_buffer[:, :, :length]
+            self.values = self.value_buffer[:, :, :length]
+
+
+def _buffer_like(states: torch.Tensor, capacity: int) -> torch.Tensor:
+    """An uninitialised [B, heads, capacity, head_dim] buffer for `states` [B, heads, n,
+    head_dim] (their dtype and device)."""
+    b, h, _, d = states.shape
+    return states.new_empty(b, h, capacity, d)
+
+
 class KVModel:
     """Wraps a causal LM and one sequence's KV cache.
 
     `extend` appends n tokens; the cache's first `length - tail` positions are visible to all of
     them, and `tail_allow` [n, tail] says which of the last `tail` positions (the tree part,
-    ending with the new tokens themselves) each new token may attend to.
+    ending with the new tokens themselves) each new token may attend to: a bool mask, or the
+    additive mask of the model's dtype (`tree.additive`, which a `Tree` keeps once built).
 
     A draft with a pruned output vocabulary returns logits over `vocab_ids` only; they are
     scattered back into the full vocabulary (the rest gets probability 0, so verification stays
@@ -52,7 +142,7 @@ class KVModel:
         self.vocab_ids = None if vocab_ids is None else vocab_ids.to(self.device)
         self.feature_size: int | None = getattr(model, "feature_size", None)
         self._cache_kw = cache_keyword(model)
-        self.cache = DynamicCache()
+        self.cache = Cache(layers=[InPlaceLayer() for _ in range(model.config.num_hidden_layers)])
         self.length = 0
 
     @property
@@ -64,19 +154,28 @@ class KVModel:
         return next(self.model.parameters()).dtype
 
     def reset(self) -> None:
-        self.cache = DynamicCache()
+        """Empty the cache (its buffers stay allocated)."""
+        self.cache.reset()
         self.length = 0
 
+    @torch.inference_mode()
+    def reserve(self, tokens: int) -> None:
+        """Allocate room for `tokens` cached positions now rather than growing into it."""
+        for layer in self.cache.layers:
+            layer.reserve(tokens)
+
+    @torch.inference_mode()
     def extend(
         self,
         ids: torch.Tensor,  # [n] long
         positions: torch.Tensor,  # [n] long
-        tail_allow: torch.Tensor | None,  # [n, tail] bool; None = plain causal chain
+        tail_allow: torch.Tensor | None,  # [n, tail] bool or additive; None = causal chain
         features: torch.Tensor | None = None,  # [n, feature_size] for a feature-conditioned head
         last_only: bool = False,
     ) -> torch.Tensor:
         """Feed n tokens, cache them, return their logits [n, V] ([1, V] if `last_only`)."""
-        return self.extend_with_hidden(ids, positions, tail_allow, features, last_only)[0]
+        out = self._forward(ids, positions, tail_allow, features, last_only, hidden_states=False)
+        return self._full_vocab(out.logits[0])
 
     @torch.inference_mode()
     def extend_with_hidden(
@@ -89,7 +188,21 @@ class KVModel:
         layers: tuple[int, ...] = (-1,),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As `extend`, plus the new tokens' hidden states of `layers` (indices into the model's
-        `hidden_states`; -1: the last layer's, normed), concatenated: [n, len(layers) * H]."""
+        `hidden_states`; -1: the last layer's, normed), concatenated: [n, len(layers) * H]
+        ([n, 0] for no layers).  Only those layers are kept by the pass."""
+        out = self._forward(ids, positions, tail_allow, features, last_only,
+                            hidden_states=list(layers) or False)
+        if layers:
+            hidden = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
+        else:
+            hidden = out.logits.new_empty(ids.shape[0], 0)
+        return self._full_vocab(out.logits[0]), hidden
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                 tail_allow: torch.Tensor | None, features: torch.Tensor | None,
+                 last_only: bool, hidden_states: list[int] | bool) -> ModelOutput:
+        """One cached forward over n new tokens under the tree mask; `hidden_states` as
+        transformers' `output_hidden_states` (indices select layers)."""
         n = ids.shape[0]
         device = self.device
         mask = None
@@ -97,24 +210,23 @@ class KVModel:
             tail = tail_allow.shape[1]
             total = self.length + n
             assert tail_allow.shape[0] == n and n <= tail <= total, (tail_allow.shape, n, total)
-            allow = torch.ones(n, total, dtype=torch.bool, device=device)
-            allow[:, total - tail :] = tail_allow.to(device)
-            mask = torch.zeros(1, 1, n, total, dtype=self.dtype, device=device)
-            mask.masked_fill_(~allow, torch.finfo(self.dtype).min)
+            bias = tail_allow.to(device)
+            if bias.dtype == torch.bool:
+                bias = additive(bias, self.dtype)
+            mask = torch.cat([bias.new_zeros(n, total - tail), bias], dim=1)[None, None]
         extra = {} if features is None else {"features": features.to(device, self.dtype)[None]}
         out = self.model(
             input_ids=ids.to(device)[None],
             attention_mask=mask,
             position_ids=positions.to(device)[None],
             use_cache=True,
-            output_hidden_states=True,
+            output_hidden_states=hidden_states,
             logits_to_keep=1 if last_only else 0,
             **{self._cache_kw: self.cache},
             **extra,
         )
         self.length += n
-        hidden = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
-        return self._full_vocab(out.logits[0]), hidden
+        return out
 
     @torch.inference_mode()
     def project(self, target_hidden: torch.Tensor) -> torch.Tensor:
@@ -129,14 +241,16 @@ class KVModel:
         full[:, self.vocab_ids] = logits
         return full
 
-    def retain(self, keep: torch.Tensor) -> None:
-        """Keep only the cached positions `keep` (ascending) [m] long; RoPE needs no recompute."""
-        if keep.shape[0] == self.length:
-            return
-        keep = keep.to(self.device)
+    @torch.inference_mode()
+    def retain(self, committed: int, nodes: torch.Tensor) -> None:
+        """Keep the first `committed` cached positions, then the tree positions `committed +
+        nodes` ([k] long, ascending) moved down to follow them; nodes already in place (a leading
+        run 0, 1, ..) are not moved.  RoPE needs no recompute: positions were fed explicitly."""
+        nodes = nodes.cpu()
+        k = nodes.shape[0]
+        assert committed + k <= self.length, (committed, k, self.length)
+        in_place = int((nodes == torch.arange(k)).cumprod(0).sum())
+        moved = (nodes[in_place:] - in_place).to(self.device)
         for layer in self.cache.layers:
-            if type(layer) is not DynamicLayer:
-                raise TypeError(f"cannot compact a {type(layer).__name__} cache layer")
-            layer.keys = layer.keys.index_select(-2, keep)
-            layer.values = layer.values.index_select(-2, keep)
-        self.length = keep.shape[0]
+            layer.retain(committed + in_place, moved)
+        self.length = committed + k

@@ -201,11 +201,29 @@ def _tokenizer(location: str, kwargs: dict, where: str) -> PreTrainedTokenizerBa
 
 def chat_text(tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:
     """`prompt` as one user turn through the chat template, ready for the reply (tokenize it
-    without special tokens); the prompt itself where the tokenizer has no template."""
+    without special tokens); where the tokenizer has no template, the prompt after the BOS
+    (`with_bos`)."""
     if not tokenizer.chat_template:
-        return prompt
+        return with_bos(tokenizer, prompt)
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                          add_generation_prompt=True, tokenize=False)
+
+
+def with_bos(tokenizer: PreTrainedTokenizerBase, text: str) -> str:
+    """`text` starting with the tokenizer's BOS where the tokenizer puts one before plain text
+    (Llama's do, GPT-2's and SmolLM2's do not) and the text does not already: what a base model
+    saw in training before every document.  For text that is not chat-rendered (a template
+    writes its own), tokenized without special tokens."""
+    bos = tokenizer.bos_token
+    if not bos or text.startswith(bos) or not _adds_bos(tokenizer):
+        return text
+    return bos + text
+
+
+def _adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer starts plain text with its BOS when asked for special tokens."""
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bool(ids) and ids[0] == tokenizer.bos_token_id
 
 
 USER_SENTINEL = "SPECSTOP-USER-MESSAGE"  # a user message no template alters or repeats

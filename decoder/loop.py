@@ -8,6 +8,11 @@ says stop (`tree`: drafts a dynamic tree and keeps the nodes worth verifying,
 `dynamic.propose_tree`), (3) `score`s the tree in one target pass under its tree mask, (4)
 `verify`s, (5) `commit`s the accepted path to both caches.  The steps talk through the contracts
 of `contracts.py` (Proposal -> Scores -> Verdict).  `ar` is the same loop with nothing drafted.
+
+A round keeps its tensors on the device: the tree and its masks are copied there once
+(`Tree.on`), the root is drawn there and emitted with the accepted path, so a greedy round with a
+policy that reads no features (`FixedDepth`) brings one tensor to the host, the path and its
+tokens (`verify.py`), and the EOS and budget checks read that copy.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from .contracts import Proposal, Scores, Verdict
 from .costs import VerifyCosts
 from .drafter import Drafter, draft_children
 from .dynamic import propose_tree
-from .kv import KVModel, kept_positions
+from .kv import KVModel
 from .policy import FixedDepth, StoppingPolicy, TreePolicy
 from .sampling import Sampling, sample, warp
 from .tree import Tree
@@ -197,36 +202,46 @@ def generate(
     tree = tree_for(config)  # `tree` rounds build their own
     policy = _checked_policy(config, tree, drafter, policy)
     max_levels = config.max_depth if config.method == "tree" else tree.max_depth
+    with_features = drafter is not None and (config.method == "tree" or hook is not None
+                                             or policy.reads_features)
     stats, out, start = DecodeStats(), [], time.perf_counter()
-    root_emitted = 0 if config.lossy else 1  # emitted as drawn (exact), or with its path (lossy)
+    root_emitted = 0 if config.lossy else 1  # emitted whatever is accepted (exact), or not
     # 0. Prefill: both caches take the prompt; r is the target's next-token distribution.
+    target.reserve(prompt.shape[0] + config.max_new_tokens + tree.size(tree.max_depth))
     r = prefill(target, drafter, prompt, config.sampling)
     stats.target_calls += 1
     while True:
-        # 1. Roots: exact methods emit one draw from r; lossy ti-mcsd's top-W roots compete.
+        # 1. Roots, on the device: exact methods emit one draw from r (with the round's path, at
+        # step 5); lossy ti-mcsd's top-W roots compete.
         roots = draw_roots(r, tree.roots, config, generator)
-        out.extend(roots[:root_emitted].tolist())
-        if out and (out[-1] == eos_id or len(out) >= config.max_new_tokens):
+        emitted = len(out) + root_emitted  # tokens out once the root is
+        if emitted >= config.max_new_tokens:  # the root alone fills the budget
+            out.extend(roots[:root_emitted].tolist())
             break
         # 2. Propose: draft below the roots while the budget (one token per level) allows.
-        levels = min(max_levels, config.max_new_tokens - len(out) - 1 + root_emitted)
-        context = None if drafter is None else RoundContext(  # `ar` drafts nothing
-            len(out), stats.last_accepted, stats.acceptance_rate, stats.accepted_ema,
-            root_statistics(r))
+        levels = min(max_levels, config.max_new_tokens - emitted - 1 + root_emitted)
+        context = RoundContext(emitted, stats.last_accepted, stats.acceptance_rate,
+                               stats.accepted_ema, root_statistics(r)) if with_features else None
         if config.method == "tree":
             round_tree, proposal = propose_tree(drafter, policy, roots, r, target.length,
                                                 levels, context, config.sampling,
                                                 config.without_replacement, generator)
         else:
-            round_tree, proposal = tree, propose(drafter, tree, roots, r, target.length,
-                                                 levels, policy, context, config, generator)
+            round_tree, proposal = tree, propose(drafter, tree.on(r.device), roots, r,
+                                                 target.length, levels, policy, context,
+                                                 config, generator)
+        on_device = round_tree.on(r.device)
         # 3. Score: one target pass over the proposal.
-        scores = score(target, round_tree, proposal, config.sampling, costs,
+        scores = score(target, on_device, proposal, config.sampling, costs,
                        () if drafter is None else drafter.target_layers)
         # 4. Verify.
-        verdict = verify(round_tree, proposal, scores, config, eos_id, generator)
-        # 5. Commit the accepted path to both caches; emit the tokens not emitted at step 1.
-        out.extend(commit(target, drafter, proposal, scores, verdict)[root_emitted:])
+        verdict = verify(on_device, proposal, scores, config, eos_id, generator)
+        if root_emitted and verdict.path_tokens[0] == eos_id:  # the root ended the sequence
+            out.append(eos_id)
+            break
+        # 5. Commit the accepted path to both caches and emit it, root first.
+        commit(target, drafter, proposal, scores, verdict)
+        out.extend(verdict.path_tokens)
         stats.add_round(proposal, round_tree.size(proposal.depth) - round_tree.roots,
                         len(verdict.path) - 1)
         if hook is not None and proposal.depth > 0:
@@ -266,7 +281,7 @@ def prefill(
     target.reset()
     layers = () if drafter is None else drafter.target_layers
     logits, hidden = target.extend_with_hidden(prompt, torch.arange(prompt.shape[0]), None,
-                                               last_only=True, layers=layers or (-1,))
+                                               last_only=True, layers=layers)
     r = warp(logits, sampling)[0]
     if drafter is not None:
         drafter.reset(prompt, hidden if layers else None)
@@ -279,13 +294,14 @@ def draw_roots(
     config: DecodeConfig,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """[width] root tokens: one draw from r (exact), or the top-W / W draws without replacement
-    (lossy ti-mcsd)."""
+    """[width] root tokens on r's device: one draw from r (exact), or the top-W / W draws
+    without replacement (lossy ti-mcsd)."""
     if config.lossy:
         return draft_children(r[None].float(), width, config.sampling,
                               without_replacement=True, generator=generator)[0]
-    token = int(torch.argmax(r)) if config.sampling.greedy else sample(r.float(), generator)
-    return torch.tensor([token], device=r.device)
+    if config.sampling.greedy:
+        return r.argmax(dim=0, keepdim=True)
+    return sample(r.float(), generator)
 
 
 def propose(
@@ -296,32 +312,38 @@ def propose(
     root_position: int,
     levels: int,  # the deepest level the budget allows
     policy: StoppingPolicy,
-    context: RoundContext | None,  # None only without a drafter
+    context: RoundContext | None,  # None: no features (no drafter, or nobody reads them)
     config: DecodeConfig,
     generator: torch.Generator | None,
 ) -> Proposal:
-    """Draft the tree below `roots` level by level while `policy` says go on (nothing for `ar`)."""
+    """Draft the tree below `roots` level by level while `policy` says go on (nothing for `ar`);
+    `tree` on r's device.  Features are computed only with a `context`; a policy that reads none
+    is not called: it drafts `max_levels`."""
     tokens, q_rows, feature_rows, decision = roots, [], [], 0.0
-    root_rank = torch.arange(tree.roots, device=r.device)
-    root_prob, confidence = r[roots], torch.ones(tree.roots, device=r.device)
+    confidence = torch.ones(tree.roots, device=r.device)
+    if policy.max_levels is not None:
+        levels = min(levels, policy.max_levels)
     for depth in range(levels if drafter is not None else 0):
         logits = drafter.step(tree, depth, tokens[tree.level(depth)], root_position)
         q = warp(logits, config.sampling)  # [n_depth, V]
         kids = draft_children(q, tree.branching[depth], config.sampling,
                               config.without_replacement, generator)
-        level = tree.level(depth + 1)
-        roots_of_kids = tree.root[level].to(r.device)
-        features = draft_features(q, kids, depth + 1, root_rank[roots_of_kids],
-                                  root_prob[roots_of_kids], confidence, context)
-        confidence = features[:, PATH_CONFIDENCE]
         tokens = torch.cat([tokens, kids.flatten()])
         q_rows.append(q)
+        if context is None:
+            continue
+        level = tree.level(depth + 1)
+        roots_of_kids = tree.root[level]  # also their rank among the roots
+        features = draft_features(q, kids, depth + 1, roots_of_kids, r[roots][roots_of_kids],
+                                  confidence, context)
+        confidence = features[:, PATH_CONFIDENCE]
         feature_rows.append(features)
-        start = time.perf_counter()
-        go_on = bool(policy(features, tree.parent_row[level].to(r.device)).any())
-        decision += time.perf_counter() - start
-        if not go_on:
-            break
+        if policy.reads_features:
+            start = time.perf_counter()
+            go_on = bool(policy(features, tree.parent_row[level]).any())
+            decision += time.perf_counter() - start
+            if not go_on:
+                break
     depth = len(q_rows)
     q_all = torch.cat(q_rows) if q_rows else r.new_zeros(0, r.shape[0])
     fed = torch.arange(tokens.shape[0])
@@ -332,16 +354,16 @@ def propose(
 
 def score(target: KVModel, tree: Tree, proposal: Proposal, sampling: Sampling,
           costs: VerifyCosts | None, layers: tuple[int, ...]) -> Scores:
-    """One target pass over the proposal under its sliced tree mask, padded to the cheapest
-    measured width (padding repeats the first root; a lone token needs no mask); with the
-    hidden states of `layers` when there are any."""
+    """One target pass over the proposal under its sliced tree mask (`tree` on the target's
+    device), padded to the cheapest measured width (padding repeats the first root; a lone token
+    needs no mask); with the hidden states of `layers` when there are any."""
     n = tree.size(proposal.depth)
     width = costs.padded_width(n) if costs else n
     tokens, positions = proposal.tokens, proposal.root_position + tree.depth[:n]
     ids = torch.cat([tokens, tokens[:1].expand(width - n)])
     positions = torch.cat([positions, positions[:1].expand(width - n)])
-    mask = tree.padded_mask(proposal.depth, width) if width > 1 else None
-    logits, hidden = target.extend_with_hidden(ids, positions, mask, layers=layers or (-1,))
+    mask = tree.padded_bias(proposal.depth, width, target.dtype) if width > 1 else None
+    logits, hidden = target.extend_with_hidden(ids, positions, mask, layers=layers)
     return Scores(warp(logits[:n], sampling), hidden[:n] if layers else None)
 
 
@@ -355,17 +377,15 @@ def verify(tree: Tree, proposal: Proposal, scores: Scores, config: DecodeConfig,
 
 
 def commit(target: KVModel, drafter: Drafter | None, proposal: Proposal, scores: Scores,
-           verdict: Verdict) -> list[int]:
-    """Keep the accepted path in both caches; returns its tokens, root first."""
+           verdict: Verdict) -> None:
+    """Keep the accepted path in both caches."""
     path = torch.tensor(verdict.path, dtype=torch.long)
-    target.retain(kept_positions(proposal.root_position, path))
-    tokens = proposal.tokens[path.to(proposal.tokens.device)]
+    target.retain(proposal.root_position, path)
     if drafter is not None:
         fed = proposal.fed[path]
         hidden = scores.hidden
-        drafter.commit(tokens, fed[fed >= 0],
-                       None if hidden is None else hidden[path.to(hidden.device)])
-    return tokens.tolist()
+        drafter.commit(proposal.tokens[verdict.path_index], fed[fed >= 0],
+                       None if hidden is None else hidden[verdict.path_index])
 
 
 def _round_record(index: int, tree: Tree, proposal: Proposal, scores: Scores,
@@ -383,7 +403,7 @@ def _round_record(index: int, tree: Tree, proposal: Proposal, scores: Scores,
         node=drafted,
         branch=tree.branch[drafted],
         features=torch.cat(proposal.features).cpu(),  # joined for logging only
-        labels=verdict.labels[drafted],
+        labels=verdict.labels.cpu()[drafted],
         p_target=p[parent.to(p.device), kids].float().cpu(),
         q_draft=q[parent.to(q.device), kids].float().cpu(),
     )

@@ -7,6 +7,9 @@ should go on below that token.  The decode loop continues while any node says so
 just drafted is always verified.  No `.item()` inside a policy.  `parents` [n] gives each
 node's parent as a row of the previous call's level (depth > 1; at depth 1 the parents are
 roots), so a policy may keep per-branch state within a round (e.g. a product of predictions).
+A policy drafts at most `max_levels` levels (None: no cap); one that does not `reads_features`
+decides from the depth alone (`FixedDepth`): the loop computes no features for it and never
+calls it, so its rounds take no decision and no sync.
 
 A `TreePolicy` instead predicts p-hat [n] = P(token accepted | parent accepted) from the same
 features; its `tree_rule` (`tree_rule.py`) turns the products of p-hat along each path into
@@ -55,6 +58,8 @@ def cost_aware_score(path_product, p, marginal, level):  # [n] each -> [n]
 
 class StoppingPolicy(Protocol):
     name: str
+    max_levels: int | None
+    reads_features: bool
 
     def __call__(self, features: torch.Tensor,
                  parents: torch.Tensor | None = None) -> torch.Tensor:  # [n, F] -> [n] bool
@@ -64,10 +69,12 @@ class StoppingPolicy(Protocol):
 class FixedDepth:
     """Static draft length γ: draft exactly γ levels (or fewer at the tree's or budget's end)."""
 
+    reads_features = False
+
     def __init__(self, gamma: int) -> None:
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
-        self.gamma = gamma
+        self.gamma = self.max_levels = gamma
         self.name = f"fixed-{gamma}"
 
     def __call__(self, features: torch.Tensor, parents: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,6 +83,9 @@ class FixedDepth:
 
 class ConfidenceThreshold:
     """Go on while the draft's probability of its own token exceeds t (transformers' rule)."""
+
+    max_levels = None
+    reads_features = True
 
     def __init__(self, threshold: float) -> None:
         if not 0.0 <= threshold <= 1.0:

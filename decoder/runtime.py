@@ -15,7 +15,7 @@ from specstop.common.params import TreeConfig
 from .costs import VerifyCosts
 from .drafter import Drafter
 from .kv import KVModel
-from .load import chat_text
+from .load import chat_text, with_bos
 from .loop import DecodeConfig, Generation, generate
 from .policy import StoppingPolicy, TreePolicy
 from .sampling import Sampling
@@ -27,24 +27,27 @@ class Runtime:
     drafter: Drafter | None
     tokenizer: PreTrainedTokenizerBase
     costs: VerifyCosts | None
-    context_limit: int
+    context_limit: int  # the longest sequence both models take
+    limited_by: str  # the model that sets it: 'target' or 'draft'
 
     @property
     def eos_id(self) -> int | None:
         return self.tokenizer.eos_token_id
 
     def encode(self, prompt: str, chat: bool = True, special_tokens: bool = True) -> torch.Tensor:
-        """Prompt text -> ids [L], through the chat template when the tokenizer has one.
+        """Prompt text -> ids [L], through the chat template when `chat` and the tokenizer has
+        one, else after the tokenizer's BOS (`with_bos`).
 
-        `special_tokens=False` for text already rendered through the chat template."""
+        `chat=False, special_tokens=False` for text already rendered (stage `prompts`' text):
+        tokenized as it is."""
         check_utf8(prompt)
         if not prompt.strip():
             raise SpecstopError("the prompt is empty")
-        if chat and self.tokenizer.chat_template:
-            ids = self.tokenizer(chat_text(self.tokenizer, prompt),
-                                 add_special_tokens=False)["input_ids"]
+        if chat:
+            text = chat_text(self.tokenizer, prompt)
         else:
-            ids = self.tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"]
+            text = with_bos(self.tokenizer, prompt) if special_tokens else prompt
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return torch.tensor(list(ids), dtype=torch.long)
 
     def check_fits(self, prompt: torch.Tensor, config: DecodeConfig) -> None:
@@ -53,7 +56,8 @@ class Runtime:
             raise SpecstopError(
                 f"prompt of {prompt.shape[0]} tokens + max_new_tokens {config.max_new_tokens} "
                 f"+ max_depth {config.max_depth} + 1 = {need} tokens exceeds the model's context "
-                f"of {self.context_limit} tokens")
+                f"of {self.context_limit} tokens (the {self.limited_by}'s "
+                f"max_position_embeddings)")
 
     def generate(self, prompt: torch.Tensor, config: DecodeConfig,
                  policy: StoppingPolicy | TreePolicy | None = None, seed: int = 0,

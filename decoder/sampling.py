@@ -59,6 +59,6 @@ def uniform(generator: torch.Generator | None) -> float:
     return torch.rand((), dtype=torch.float64, generator=generator, device=device).item()
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token id from probs [V]."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id [1] from probs [V], on their device (no sync)."""
+    return torch.multinomial(probs, 1, generator=generator)

@@ -71,6 +71,9 @@ def check_feature_schema(meta: dict, path: Path) -> None:
 class LearnedPolicy:
     """A StoppingPolicy from an exported decision model (batch-first, no `.item()`)."""
 
+    max_levels = None
+    reads_features = True
+
     def __init__(self, module: torch.jit.ScriptModule, meta: dict, source: str = "") -> None:
         self.model = module
         self.meta = meta

@@ -7,13 +7,16 @@ tree and sliced to the depth actually drafted (the leading principal block), so 
 can change every round without rebuilding anything (VERIFICATION.md §4).  This is the one place
 that builds tree masks (bool, True = may attend): the target's padded pass (`padded_mask`), a
 draft step's rows (`level_rows`) and the committed chain before the roots (`chain_then_roots`);
-`KVModel` turns them into the model's additive mask.
+`additive` turns them into the model's additive mask.  A tree is built on the host; `Tree.on`
+gives its copy on the decoding device (one transfer, once per device), which keeps the additive
+masks of the target's pass and of the draft steps once built (`padded_bias`, `level_bias`), so a
+round sends nothing to the device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -34,6 +37,7 @@ class Tree:
     child_start: tuple[int, ...] = field(init=False, repr=False)  # [N + 1] node i's children
     # are child_start[i]:child_start[i + 1]
     mask: torch.Tensor = field(init=False, repr=False)  # [N, N] bool, self + ancestors
+    # not fields: `_copies` (by device, on the host tree), `_biases` (additive masks by key)
 
     def __post_init__(self) -> None:
         if self.roots < 1 or any(k < 1 for k in self.branching):
@@ -112,7 +116,8 @@ class Tree:
         """[width, width] `sliced_mask(depth)` followed by padding rows that see only themselves."""
         pad = width - self.size(depth)
         assert pad >= 0, (width, self.size(depth))
-        return torch.block_diag(self.sliced_mask(depth), torch.eye(pad, dtype=torch.bool))
+        return torch.block_diag(self.sliced_mask(depth),
+                                torch.eye(pad, dtype=torch.bool, device=self.mask.device))
 
     def level_rows(self, d: int) -> torch.Tensor:
         """[n_d, size(d)] rows of level d over every node up to level d (one draft step's mask)."""
@@ -121,9 +126,49 @@ class Tree:
     def chain_then_roots(self, m: int) -> torch.Tensor:
         """[m + roots, m + roots] a causal chain of m committed tokens, then the roots, which see
         the chain and themselves (a draft's first step of a round)."""
-        allow = torch.ones(m + self.roots, m + self.roots, dtype=torch.bool).tril()
+        allow = torch.ones(m + self.roots, m + self.roots, dtype=torch.bool,
+                           device=self.mask.device).tril()
         allow[m:, m:] = self.level_rows(0)
         return allow
+
+    def padded_bias(self, depth: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """`padded_mask(depth, width)` as an additive mask of `dtype`, built once."""
+        return self._bias(("padded", depth, width, dtype),
+                          lambda: additive(self.padded_mask(depth, width), dtype))
+
+    def level_bias(self, d: int, dtype: torch.dtype) -> torch.Tensor:
+        """`level_rows(d)` as an additive mask of `dtype`, built once."""
+        return self._bias(("level", d, dtype), lambda: additive(self.level_rows(d), dtype))
+
+    def _bias(self, key: tuple, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        biases = self.__dict__.setdefault("_biases", {})
+        if key not in biases:
+            biases[key] = build()
+        return biases[key]
+
+    def on(self, device: torch.device) -> Tree:
+        """This tree with its tensors on `device` (itself when they are there): copied in one
+        host->device transfer the first time, then kept."""
+        if self.mask.device == device:
+            return self
+        copies = self.__dict__.setdefault("_copies", {})
+        if device not in copies:
+            copies[device] = self._copied_to(device)
+        return copies[device]
+
+    def _copied_to(self, device: torch.device) -> Tree:
+        """The copy `on` keeps: every tensor packed into one transfer."""
+        n = self.mask.shape[0]
+        packed = torch.cat([*(getattr(self, name) for name in INDEX_FIELDS),
+                            self.mask.flatten().long()]).to(device)
+        *indices, mask = packed.split([n] * len(INDEX_FIELDS) + [n * n])
+        tree = object.__new__(Tree)
+        for name in ("roots", "branching", "level_start", "child_start"):
+            object.__setattr__(tree, name, getattr(self, name))
+        for name, value in zip(INDEX_FIELDS, indices):
+            object.__setattr__(tree, name, value)
+        object.__setattr__(tree, "mask", mask.view(n, n).bool())
+        return tree
 
     def children(self, node: int) -> range:
         """Indices of node's children (empty for a leaf)."""
@@ -136,6 +181,16 @@ class Tree:
             path.append(node)
             node = int(self.parent[node])
         return path[::-1]
+
+
+INDEX_FIELDS = ("parent", "parent_row", "depth", "rank", "root", "branch")  # [N] long each
+
+
+def additive(allow: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The model's additive mask of a bool mask: 0 where it may attend, `dtype`'s minimum
+    elsewhere (a bool mask is silently wrong under eager attention)."""
+    bias = torch.zeros(allow.shape, dtype=dtype, device=allow.device)
+    return bias.masked_fill_(~allow, torch.finfo(dtype).min)
 
 
 def chain(depth: int) -> Tree:

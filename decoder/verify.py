@@ -10,6 +10,9 @@ Each rule takes a proposal's tokens and q and the target's p and returns a `Verd
 
 from __future__ import annotations
 
+import math
+from typing import Sequence
+
 import torch
 
 from .contracts import Verdict
@@ -20,16 +23,17 @@ RESIDUAL_FLOOR = 1e-12
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """res(p, q) = norm(max(p - q, 0)); falls back to p when the mass is below 1e-12.  [V] -> [V]."""
+    """res(p, q) = norm(max(p - q, 0)); falls back to p when the mass is below 1e-12.  [V] -> [V],
+    without a sync."""
     r = (p - q).clamp_min(0.0)
     mass = r.sum()
-    return p if mass < RESIDUAL_FLOOR else r / mass
+    return torch.where(mass < RESIDUAL_FLOOR, p, r / mass)
 
 
 def mcss(
     p: torch.Tensor,  # [V] float64 target distribution
     q: torch.Tensor,  # [V] float64 draft distribution the candidates came from
-    candidates: list[int],  # in sampling order
+    candidates: torch.Tensor | Sequence[int],  # [k] in sampling order
     without_replacement: bool,
     generator: torch.Generator | None,
 ) -> tuple[int, torch.Tensor]:
@@ -37,22 +41,37 @@ def mcss(
 
     Returns (index of the accepted candidate, p) or (-1, the residual to sample the correction
     from).  With `without_replacement`, a candidate whose q̄ is already 0 (a repeat, or padding
-    when q's support is smaller than k) is skipped: it could not have been drawn.
+    when q's support is smaller than k) is skipped: it could not have been drawn.  The tests'
+    thresholds come to the host in one transfer (`_mcss_tests`); a uniform is drawn per test, in
+    order, and only until one accepts.
     """
-    q_bar = q.clone()
-    for i, x in enumerate(candidates):
-        if q_bar[x] <= 0:
+    thresholds, dists = _mcss_tests(p, q, torch.as_tensor(candidates, device=p.device),
+                                   without_replacement)
+    for i, threshold in enumerate(thresholds):
+        if math.isnan(threshold):  # skipped
             continue
-        if uniform(generator) < float(p[x] / q_bar[x]):
-            return i, p
-        p = residual(p, q_bar)  # subtract q̄ before removing x
+        if uniform(generator) < threshold:
+            return i, dists[i]
+    return -1, dists[-1]
+
+
+def _mcss_tests(p: torch.Tensor, q: torch.Tensor, candidates: torch.Tensor,
+                without_replacement: bool) -> tuple[list[float], list[torch.Tensor]]:
+    """Every test `mcss` may make, computed on p's device: the thresholds p(x)/q̄(x) of the k
+    candidates (nan for a skipped one), as floats in one transfer, and the k + 1 distributions
+    [V] each test is made against, then the residual left after the last."""
+    q_bar, thresholds, dists = q, [], [p]
+    for x in candidates.split(1):
+        q_x = q_bar[x]
+        drawable = q_x > 0
+        thresholds.append(torch.where(drawable, p[x] / q_x, math.nan))
+        p = torch.where(drawable, residual(p, q_bar), p)  # subtract q̄ before removing x
         if without_replacement:
-            q_bar[x] = 0.0
-            mass = q_bar.sum()
-            if mass <= 0:
-                break
-            q_bar = q_bar / mass
-    return -1, p
+            removed = q_bar.index_fill(0, x, 0.0)
+            mass = removed.sum()  # 0: every later candidate is skipped
+            q_bar = torch.where(drawable, torch.where(mass > 0, removed / mass, removed), q_bar)
+        dists.append(p)
+    return torch.cat(thresholds).tolist(), dists
 
 
 def verify_tree(
@@ -66,29 +85,26 @@ def verify_tree(
     eos_id: int | None,
     generator: torch.Generator | None,
 ) -> Verdict:
-    """Exact tree verification from the single committed root (node 0).
+    """Exact tree verification from the single committed root (node 0); `tree` on the tokens'
+    device.
 
-    Greedy: follow the child equal to argmax p (torch.argmax: first index on ties).
-    Sampling: `mcss` at every node along the path.
+    Greedy: follow the child equal to argmax p (torch.argmax: first index on ties), on the device
+    at once (`_greedy_walk`).  Sampling: `mcss` at every node along the path.
     """
     assert tree.roots == 1, "exact verification needs a single committed root"
     n = tree.size(depth)
     assert tokens.shape == (n,) and p.shape[0] == n, (tokens.shape, p.shape, n)
+    if sampling.greedy:
+        return _greedy_walk(tree, depth, tokens, p, eos_id)
     ids = tokens.tolist()
     node, path, next_dist = 0, [0], None
     while True:
-        kids = [c for c in tree.children(node) if c < n]
-        if not kids:
+        kids = tree.children(node)
+        if not kids or kids.start >= n:
             next_dist = p[node]
             break
-        if sampling.greedy:
-            target_id = int(torch.argmax(p[node]))
-            chosen = next((i for i, c in enumerate(kids) if ids[c] == target_id), -1)
-            dist = p[node]
-        else:
-            cands = [ids[c] for c in kids]
-            chosen, dist = mcss(p[node].double(), q[node].double(), cands, without_replacement,
-                                generator)
+        chosen, dist = mcss(p[node].double(), q[node].double(), tokens[kids.start:kids.stop],
+                            without_replacement, generator)
         if chosen < 0:
             next_dist = dist
             break
@@ -96,24 +112,43 @@ def verify_tree(
         path.append(node)
         if ids[node] == eos_id:
             break
-    return Verdict(path, next_dist, _labels_from_path(tree, n, path, next_dist is None))
+    index = torch.tensor(path, device=tokens.device)
+    on_path = torch.zeros(n, dtype=torch.bool, device=tokens.device).index_fill_(0, index, True)
+    tested = on_path.clone()  # nothing below an accepted EOS was tested
+    tested[path[-1]] = next_dist is not None
+    return Verdict(path, [ids[i] for i in path], index, next_dist,
+                   _labels(tree.parent[:n], on_path, tested))
 
 
-def _labels_from_path(tree: Tree, n: int, path: list[int], ended_on_eos: bool) -> torch.Tensor:
-    """A node was tested iff its parent is on the accepted path (and is not an accepted EOS);
-    it was accepted iff it is on the path."""
-    on_path = torch.zeros(n, dtype=torch.bool)
-    on_path[path] = True
-    if ended_on_eos:
-        on_path_tested = on_path.clone()
-        on_path_tested[path[-1]] = False
-    else:
-        on_path_tested = on_path
-    parent = tree.parent[:n]
-    reached = (parent >= 0) & on_path_tested[parent.clamp_min(0)]
-    labels = torch.full((n,), -1, dtype=torch.int8)
-    labels[reached] = on_path[reached].to(torch.int8)
-    return labels
+def _greedy_walk(tree: Tree, depth: int, tokens: torch.Tensor, p: torch.Tensor,
+                 eos_id: int | None) -> Verdict:
+    """The greedy path in one pass over the tree and one transfer: a node is accepted when its
+    token is the arg-max of p at its parent; it is on the path when it and every ancestor are,
+    and none above it is an accepted EOS.  Greedy siblings are distinct (the draft's top-k), so
+    the path is a chain: its node at each level, brought to the host with its tokens."""
+    n = tokens.shape[0]
+    parent, level = tree.parent[:n], tree.depth[:n]
+    is_root, up = parent < 0, parent.clamp_min(0)
+    accepted = is_root | (tokens == p.argmax(dim=1)[up])
+    ends = ~is_root & (tokens == eos_id) if eos_id is not None else torch.zeros_like(is_root)
+    goes_on = accepted & ~ends  # a path may continue below it
+    open_below = (goes_on[None, :] | ~tree.mask[:n, :n]).all(dim=1)  # it and every ancestor
+    on_path = accepted & (is_root | open_below[up])
+    at_level = on_path & (level == torch.arange(depth + 1, device=tokens.device)[:, None])
+    nodes = torch.where(at_level.any(dim=1), at_level.long().argmax(dim=1), -1)  # [depth + 1]
+    host_nodes, host_tokens = torch.stack([nodes, tokens[nodes.clamp_min(0)]]).tolist()
+    k = host_nodes.index(-1) if -1 in host_nodes else depth + 1
+    path, path_tokens = host_nodes[:k], host_tokens[:k]
+    ended = k > 1 and path_tokens[-1] == eos_id
+    return Verdict(path, path_tokens, nodes[:k], None if ended else p[path[-1]],
+                   _labels(parent, on_path, on_path & ~ends))
+
+
+def _labels(parent: torch.Tensor, on_path: torch.Tensor, tested: torch.Tensor) -> torch.Tensor:
+    """[n] int8: a node was tested iff its parent was `tested` (on the path, and not an accepted
+    EOS); it was accepted iff it is on the path."""
+    reached = (parent >= 0) & tested[parent.clamp_min(0)]
+    return torch.where(reached, on_path.to(torch.int8), -1)
 
 
 def dynasd_select(
@@ -136,7 +171,7 @@ def dynasd_select(
     assert all(k == 1 for k in tree.branching), "the DynaSD rule verifies one chain per root"
     n = tree.size(depth)
     ids = tokens.tolist()
-    labels = torch.full((n,), -1, dtype=torch.int8)
+    labels = torch.full((n,), -1, dtype=torch.int8, device=tokens.device)
     best_len, best_root, best_rejected_at = -1, 0, None
     for b in range(tree.roots):
         length, rejected_at, node = 0, None, b
@@ -165,4 +200,5 @@ def dynasd_select(
         next_dist = residual(p[last].double(), q[last].double())
     else:
         next_dist = p[last]
-    return Verdict(path, next_dist, labels)
+    return Verdict(path, [ids[i] for i in path], torch.tensor(path, device=tokens.device),
+                   next_dist, labels)

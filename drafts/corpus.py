@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
 from specstop.common.files import remove_temp_files, resume_or_set_aside, write_atomic, write_json
 from specstop.common.params import CorpusConfig
-from specstop.decoder.kv import cache_keyword
+from specstop.decoder.kv import InPlaceLayer, cache_keyword
 
 HEAD_CHUNK = 256  # positions per output-layer call over a prompt: bounds the [n, V] logits
 TIMING = "timing.json"  # seconds and tokens per generated shard
@@ -186,42 +186,6 @@ def _next_tokens(logits: torch.Tensor, temperature: torch.Tensor,
     race = torch.empty_like(probs).exponential_(generator=generator)
     greedy[warm] = (probs / race).argmax(-1)
     return greedy
-
-
-class InPlaceLayer(DynamicLayer):
-    """A cache layer whose keys and values live in buffers allocated once for `capacity`
-    positions and written in place: a step appends without copying the cache (a
-    `DynamicLayer` concatenates, copying all of it, at every step).  Only `update` and
-    `select_rows` keep the buffers and views consistent: the corpus' decoder calls nothing else."""
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__()
-        self.capacity, self.length = capacity, 0
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
-               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            b, h = key_states.shape[:2]
-            self.key_buffer = key_states.new_empty(b, h, self.capacity, key_states.shape[-1])
-            self.value_buffer = value_states.new_empty(b, h, self.capacity,
-                                                       value_states.shape[-1])
-        n = key_states.shape[-2]
-        self.key_buffer[:, :, self.length:self.length + n] = key_states
-        self.value_buffer[:, :, self.length:self.length + n] = value_states
-        self.length += n
-        self._views()
-        return self.keys, self.values
-
-    def select_rows(self, keep: torch.Tensor) -> None:
-        """Keep only the batch rows `keep` (one copy of the buffers)."""
-        self.key_buffer = self.key_buffer.index_select(0, keep)
-        self.value_buffer = self.value_buffer.index_select(0, keep)
-        self._views()
-
-    def _views(self) -> None:
-        self.keys = self.key_buffer[:, :, :self.length]
-        self.values = self.value_buffer[:, :, :self.length]
 
 
 def _select_rows(cache: Cache, keep: torch.Tensor) -> None:

@@ -69,13 +69,18 @@ class FeatureHead(nn.Module):
                 position_ids: torch.Tensor | None = None, cache=None, use_cache: bool = False,
                 logits_to_keep: int = 0, output_hidden_states: bool = True,
                 **_: object) -> CausalLMOutputWithPast:
-        x = self.fc(torch.cat([features.to(self.fc.weight.dtype),
-                               self.embed_tokens(input_ids).to(self.fc.weight.dtype)], dim=-1))
+        x = self.fc(torch.cat([features.to(self.dtype),
+                               self.embed_tokens(input_ids).to(self.dtype)], dim=-1))
         out = self.body(inputs_embeds=x, attention_mask=attention_mask,
                         position_ids=position_ids, cache=cache, use_cache=use_cache)
         hidden = out.last_hidden_state
         logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         return CausalLMOutputWithPast(logits=logits, hidden_states=(hidden,))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The head's dtype (read off a norm: its linear layers may be packed for the CPU)."""
+        return self.body.norm.weight.dtype
 
     def project(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] features from the target's hidden states of `target_layers`, concatenated
@@ -83,7 +88,7 @@ class FeatureHead(nn.Module):
         layer and projected."""
         if self.fuse is None:
             return target_hidden
-        parts = target_hidden.to(self.fuse.weight.dtype).chunk(len(self.fuse_norms), dim=-1)
+        parts = target_hidden.to(self.dtype).chunk(len(self.fuse_norms), dim=-1)
         return self.fuse(torch.cat([norm(x) for norm, x in zip(self.fuse_norms, parts)], dim=-1))
 
     def saved_state(self) -> dict[str, torch.Tensor]:

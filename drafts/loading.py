@@ -3,6 +3,7 @@ folder `specstop draft` built, any LM with the same tokenizer, or `layers:N`) an
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -12,7 +13,8 @@ from specstop.common.files import require
 from specstop.common.params import CostsConfig, ModelsConfig
 from specstop.common.paths import TARGET_CACHE, TRUNCATED_PREFIX
 from specstop.decoder.costs import VerifyCosts
-from specstop.decoder.drafter import Drafter, FeatureDrafter, ModelDrafter
+from specstop.decoder.drafter import FeatureDrafter, ModelDrafter
+from specstop.decoder.kernels import kernel_of, pack_linears
 from specstop.decoder.kv import KVModel
 from specstop.decoder.load import (LoadedModel, check_same_tokenizer, load_model, resolve_device,
                                    resolve_dtype)
@@ -21,10 +23,14 @@ from specstop.decoder.runtime import Runtime
 from .families import mask_vocabulary, prune_head, truncated_draft
 from .store import DRAFT_META_FILE, load_feature_head, read_meta
 
+LoadedDrafter = ModelDrafter | FeatureDrafter  # what the loaders build: each has its `lm`
+
 
 def load_runtime(target: str, draft: str | None, dtype: str = "auto", device: str = "auto",
-                 cache_dir: Path = TARGET_CACHE, costs: Path | None = None) -> Runtime:
-    """Load the target, the draft (`layers:N` truncates the target) and an optional cost table."""
+                 cache_dir: Path = TARGET_CACHE, costs: Path | None = None,
+                 cpu_kernel: str = "onednn") -> Runtime:
+    """Load the target, the draft (`layers:N` truncates the target) and an optional cost table;
+    on a CPU both models' linear layers run on `cpu_kernel` (`decoder.kernels`)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     loaded = load_model(target, dt, dev, cache_dir)
@@ -35,14 +41,39 @@ def load_runtime(target: str, draft: str | None, dtype: str = "auto", device: st
             drafter = _model_drafter(truncated_draft(loaded.model, _layers(draft)), None, vocab)
         else:
             drafter = _load_drafter(draft, loaded, dt, dev, cache_dir)
+        pack_linears(drafter.lm.model, cpu_kernel)
+    pack_linears(loaded.model, cpu_kernel)
     table = None
     if costs is not None and Path(costs).is_file():
         table = VerifyCosts.load(costs)
-        if (table.model, table.dtype, table.device) != (target, str(dt).removeprefix("torch."),
-                                                        dev.type):
-            table = None  # measured for another model, dtype or device: not applicable
-    limit = getattr(loaded.model.config, "max_position_embeddings", None) or 1 << 30
-    return Runtime(KVModel(loaded.model), drafter, loaded.tokenizer, table, limit)
+        if (table.model, table.dtype, table.device, table.kernel) != \
+                (target, str(dt).removeprefix("torch."), dev.type, kernel_of(loaded.model)):
+            table = None  # measured for another model, dtype, device or kernel: not applicable
+    limit, limited_by = context_limit(loaded.model, drafter)
+    return Runtime(KVModel(loaded.model), drafter, loaded.tokenizer, table, limit, limited_by)
+
+
+def context_limit(target: torch.nn.Module, drafter: LoadedDrafter | None) -> tuple[int, str]:
+    """The longest sequence both models take, and which sets it ('target' or 'draft'): the
+    smaller `max_position_embeddings` of the target's and the draft's config (a `layers:N`
+    draft has the target's, a feature head its own; none given: unlimited)."""
+    limits = {"target": _positions(target)}
+    if drafter is not None:
+        limits["draft"] = _positions(drafter.lm.model)
+    limited_by = min(limits, key=limits.__getitem__)  # a tie: the target
+    return limits[limited_by], limited_by
+
+
+def _positions(model: torch.nn.Module) -> int:
+    """A model's `max_position_embeddings` (unset: unlimited)."""
+    return getattr(model.config, "max_position_embeddings", None) or 1 << 30
+
+
+def with_drafter(runtime: Runtime, drafter: LoadedDrafter) -> Runtime:
+    """`runtime` with another drafter, its context limit recomputed."""
+    limit, limited_by = context_limit(runtime.target.model, drafter)
+    return dataclasses.replace(runtime, drafter=drafter, context_limit=limit,
+                               limited_by=limited_by)
 
 
 def _layers(draft: str) -> int:
@@ -54,7 +85,7 @@ def _layers(draft: str) -> int:
 
 
 def _load_drafter(draft: str, target: LoadedModel, dtype: torch.dtype, device: torch.device,
-                  cache_dir: Path) -> Drafter:
+                  cache_dir: Path) -> LoadedDrafter:
     """A draft folder built by `specstop draft` (either family), or any LM with the same tokenizer."""
     vocab = target.model.config.vocab_size
     meta = read_meta(Path(draft)) if Path(draft).is_dir() else None
@@ -65,7 +96,8 @@ def _load_drafter(draft: str, target: LoadedModel, dtype: torch.dtype, device: t
     return _model_drafter(model, ids, vocab)
 
 
-def _model_drafter(model: torch.nn.Module, ids: torch.Tensor | None, vocab: int) -> Drafter:
+def _model_drafter(model: torch.nn.Module, ids: torch.Tensor | None,
+                   vocab: int) -> ModelDrafter:
     """A plain causal LM as specstop's drafter, its head pruned to `ids` (None: all rows)."""
     return ModelDrafter(KVModel(model if ids is None else prune_head(model, ids),
                                 vocab_size=vocab, vocab_ids=ids))
@@ -87,16 +119,19 @@ def _load_plain(draft: str, tokenizer, target_name: str, dtype: torch.dtype,
     return other.model, ids
 
 
-def plain_drafter(draft: str, runtime: Runtime, cache_dir: Path) -> Drafter:
+def plain_drafter(draft: str, runtime: Runtime, cache_dir: Path) -> ModelDrafter:
     """specstop's drafter for a plain draft (a model, a folder or `layers:N`) beside the
     runtime's target, with its pruned head."""
     target = runtime.target
     vocab = target.model.config.vocab_size
     if draft.startswith(TRUNCATED_PREFIX):
-        return _model_drafter(truncated_draft(target.model, _layers(draft)), None, vocab)
-    model, ids = _load_plain(draft, runtime.tokenizer, "target", target.dtype, target.device,
-                             cache_dir)
-    return _model_drafter(model, ids, vocab)
+        model, ids = truncated_draft(target.model, _layers(draft)), None
+    else:
+        model, ids = _load_plain(draft, runtime.tokenizer, "target", target.dtype,
+                                 target.device, cache_dir)
+    drafter = _model_drafter(model, ids, vocab)
+    pack_linears(drafter.lm.model, kernel_of(target.model))  # the target's kernel
+    return drafter
 
 
 def plain_assistant(draft: str, runtime: Runtime, cache_dir: Path) -> torch.nn.Module:
@@ -104,10 +139,12 @@ def plain_assistant(draft: str, runtime: Runtime, cache_dir: Path) -> torch.nn.M
     `plain_drafter`'s: full-vocabulary logits, -inf outside its pruned vocabulary."""
     target = runtime.target
     if draft.startswith(TRUNCATED_PREFIX):
-        return truncated_draft(target.model, _layers(draft))
-    model, ids = _load_plain(draft, runtime.tokenizer, "target", target.dtype, target.device,
-                             cache_dir)
-    return model if ids is None else mask_vocabulary(model, ids)
+        model = truncated_draft(target.model, _layers(draft))
+    else:
+        model, ids = _load_plain(draft, runtime.tokenizer, "target", target.dtype,
+                                 target.device, cache_dir)
+        model = model if ids is None else mask_vocabulary(model, ids)
+    return pack_linears(model, kernel_of(target.model))  # the target's kernel
 
 
 def is_plain_draft(draft: str) -> bool:
@@ -120,7 +157,7 @@ def runtime_from(models: ModelsConfig, costs: CostsConfig, need_draft: bool) -> 
     """The runtime params.yaml's `models` and `costs` name (the draft only where needed)."""
     return load_runtime(target=models.target, draft=models.draft if need_draft else None,
                         dtype=models.dtype, device=models.device, cache_dir=models.target_cache,
-                        costs=costs.path)
+                        costs=costs.path, cpu_kernel=models.cpu_kernel)
 
 
 def require_draft(draft: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -18,6 +19,14 @@ class RoundContext:
     running_acceptance: float
     accepted_ema: float
     root: torch.Tensor  # [2] entropy and top-1 - top-2 margin of the target's root distribution
+
+    @cached_property
+    def scalars(self) -> torch.Tensor:
+        """[6] float32 the values above on the root statistics' device (one copy a round)."""
+        counts = torch.tensor([self.tokens_generated, self.prev_accepted,
+                               self.running_acceptance, self.accepted_ema],
+                              dtype=torch.float32, device=self.root.device)
+        return torch.cat([counts, self.root.float()])
 
 
 def root_statistics(r: torch.Tensor) -> torch.Tensor:
@@ -50,12 +59,7 @@ def draft_features(
         [top[:, :1], top[:, 1:2], top[:, :1] - top[:, 1:2], entropy[:, None], top], dim=1
     )  # [m, 14]
     n = m * k
-    scalars = torch.cat([
-        torch.tensor([context.tokens_generated, context.prev_accepted,
-                      context.running_acceptance, context.accepted_ema],
-                     dtype=torch.float32, device=q.device),
-        context.root.to(q.device, torch.float32),
-    ]).expand(n, 6)
+    scalars = context.scalars.to(q.device).expand(n, 6)
     features = torch.cat(
         [
             q_token.reshape(n, 1),

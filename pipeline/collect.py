@@ -16,6 +16,7 @@ def run(params: Params) -> None:
                                   collect.max_prompts)
     runtime = load_runtime(models.target, models.draft, models.dtype,
                            collection.process_device(models.device),
-                           models.target_cache)  # every check before the logs are touched
+                           models.target_cache,  # every check before the logs are touched
+                           cpu_kernel=models.cpu_kernel)
     collection.collect(runtime, parts, config, collect, models, rank, world,
                        tuple(params.costs.widths))

@@ -10,7 +10,7 @@ from specstop.common.params import DecodeParams, Params, with_overrides
 from specstop.decoder.policy import ConfidenceThreshold, FixedDepth, StoppingPolicy
 from specstop.decoder.stop_model import load_stop_model
 
-MODEL_FLAGS = ("target", "draft", "dtype", "device")
+MODEL_FLAGS = ("target", "draft", "dtype", "device", "cpu_kernel")
 DECODE_FLAGS = ("method", "max_new_tokens", "temperature", "top_p", "max_depth", "policy",
                 "gamma", "threshold", "stop_model", "mcsd_branching", "ti_width", "lossy",
                 "seed")
@@ -21,6 +21,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", help="a model (same tokenizer) or layers:N (target truncated)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", help="auto, cpu, cuda, cuda:1 ...")
+    parser.add_argument("--cpu-kernel", choices=["onednn", "aten"],
+                        help="linear layers on a CPU: oneDNN, weights prepacked (default), or aten")
 
 
 def add_decode_args(parser: argparse.ArgumentParser) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from specstop.common.params import Params
 from specstop.decoder.costs import measure_verify_costs
+from specstop.decoder.kernels import pack_linears
 from specstop.decoder.kv import KVModel
 from specstop.decoder.load import convert_embedded, load_model, resolve_device, resolve_dtype
 
@@ -14,7 +15,9 @@ def run(params: Params) -> None:
         convert_embedded(models.target_cache)
     device = resolve_device(models.device)
     dtype = resolve_dtype(models.dtype, device)
-    lm = KVModel(load_model(models.target, dtype, device, models.target_cache).model)
+    model = load_model(models.target, dtype, device, models.target_cache).model
+    lm = KVModel(pack_linears(model, models.cpu_kernel))
     table = measure_verify_costs(lm, models.target, costs.widths, costs.context, costs.repeats)
     table.save(costs.path)
-    print(" ".join(f"v({n})={table.ratio(n):.2f}" for n in sorted(table.seconds)))
+    print(f"{table.dtype} on {table.device} ({table.kernel}): "
+          + " ".join(f"v({n})={table.ratio(n):.2f}" for n in sorted(table.seconds)))

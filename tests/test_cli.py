@@ -21,7 +21,7 @@ import pytest
 
 from conftest import TINY_CONTEXT
 
-TINY, OTHER = "<tiny>", "<other-tokenizer>"  # stand for the fixture model folders
+TINY, OTHER, LONG = "<tiny>", "<other-tokenizer>", "<long-context>"  # the fixture model folders
 MODELS = ["--target", TINY, "--draft", TINY, "--dtype", "float32"]
 GENERATE = ["generate", *MODELS, "--max-new-tokens", "8"]
 HI = [*GENERATE, "--prompt", "hi"]
@@ -33,6 +33,10 @@ ERRORS: dict[str, tuple[list[str], str]] = {
     "blank-prompt": ([*GENERATE, "--prompt", " \n\t "], "the prompt is empty"),
     "prompt-over-context": ([*GENERATE, "--prompt", "hello " * 200],
                             f"exceeds the model's context of {TINY_CONTEXT} tokens"),
+    "prompt-over-draft-context": (["generate", "--target", LONG, "--draft", TINY, "--dtype",
+                                   "float32", "--max-new-tokens", "8", "--prompt", "hello " * 100],
+                                  f"exceeds the model's context of {TINY_CONTEXT} tokens (the "
+                                  f"draft's max_position_embeddings)"),
     "unknown-method": ([*HI, "--method", "foo"], "--method: expected one of 'ar'"),
     "tokenizer-mismatch": (["generate", "--target", TINY, "--draft", OTHER, "--prompt", "hi"],
                            "use different tokenizers"),
@@ -89,12 +93,13 @@ def selected_cases(items: list[pytest.Item]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cli(request: pytest.FixtureRequest, tiny_model_dir: Path, other_tokenizer_model_dir: Path,
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+        tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     """case name -> its finished command; every selected case starts at once."""
     workdir = tmp_path_factory.mktemp("cli-cwd")
     for name, text in PARAMS_FILES.items():
         (workdir / name).write_text(text)
-    folders = {TINY: str(tiny_model_dir), OTHER: str(other_tokenizer_model_dir)}
+    folders = {TINY: str(tiny_model_dir), OTHER: str(other_tokenizer_model_dir),
+               LONG: str(tiny_target)}
     with ThreadPoolExecutor(max_workers=(os.cpu_count() or 2) + 1) as pool:
         futures: dict[str, Future] = {}
 

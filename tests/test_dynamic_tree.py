@@ -16,6 +16,7 @@ from specstop.decoder.tree_rule import TreeRule
 from specstop.drafts.families import build_feature_head
 
 from test_draft import RecordingFeatureDrafter, assert_roots_match_a_fresh_pass
+from test_loop_tiny import assert_cache_holds
 
 from conftest import perturbed_copy, tiny_llama
 
@@ -98,12 +99,8 @@ def test_the_verify_set_is_pruned_and_caches_hold_exactly_the_committed_tokens(m
     assert 0 < stats.verified_tokens < stats.drafted_tokens and stats.accepted > 0
     committed = torch.cat([prompt, torch.tensor(generation.tokens)])
     for lm, model in [(target_lm, target), (draft_lm, draft)]:
-        fresh = KVModel(model)
-        fresh.extend(committed[: lm.length], torch.arange(lm.length), None)
         assert lm.length >= prompt.shape[0] + len(generation.tokens) - 2
-        for ours, ref in zip(lm.cache.layers, fresh.cache.layers):
-            torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-5)
+        assert_cache_holds(lm, model, committed[: lm.length])
 
 
 def test_feature_head_cache_matches_a_fresh_pass(models):
@@ -166,7 +163,10 @@ def test_tree_needs_a_drafter_and_a_tree_policy(models):
 def test_static_methods_count_verified_tokens_and_decisions(models):
     config = DecodeConfig(method="mcsd", max_new_tokens=10, max_depth=3)
     prompt = prompts(1)[0]
-    stats = generate(KVModel(models[0]), drafter_for(models, "model"), prompt, config).stats
+    fixed = generate(KVModel(models[0]), drafter_for(models, "model"), prompt, config).stats
+    assert fixed.decision_seconds == 0  # the default FixedDepth decides from the depth alone
+    stats = generate(KVModel(models[0]), drafter_for(models, "model"), prompt, config,
+                     ConfidenceThreshold(0.0)).stats
     assert stats.verified_tokens == stats.drafted_tokens > 0 and stats.decision_seconds > 0
     total = DecodeStats()
     total.add(stats)

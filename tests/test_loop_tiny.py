@@ -77,12 +77,22 @@ def test_caches_hold_exactly_the_committed_tokens(models):
                                                             max_depth=4)).tokens
     committed = torch.cat([prompt, torch.tensor(out)])
     for lm, model in [(target_lm, target), (draft_lm, draft)]:
-        fresh = KVModel(model)
-        fresh.extend(committed[: lm.length], torch.arange(lm.length), None)
         assert lm.length >= prompt.shape[0] + len(out) - 2
-        for ours, ref in zip(lm.cache.layers, fresh.cache.layers):
-            torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-5)
+        assert_cache_holds(lm, model, committed[: lm.length])
+
+
+def assert_cache_holds(lm: KVModel, model: torch.nn.Module, tokens: torch.Tensor,
+                       features: torch.Tensor | None = None, first_position: int = 0) -> None:
+    """`lm`'s cache (keys and values of every layer) equals a fresh prefill of `model` with
+    `tokens` [lm.length] at positions `first_position`.. (and their `features`)."""
+    assert tokens.shape[0] == lm.length, (tokens.shape, lm.length)
+    fresh = KVModel(model)
+    fresh.extend(tokens, torch.arange(first_position, first_position + lm.length), None, features)
+    assert len(lm.cache.layers) == len(fresh.cache.layers)
+    for ours, ref in zip(lm.cache.layers, fresh.cache.layers):
+        assert ours.keys.shape == ref.keys.shape
+        torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-5)
 
 
 def test_eos_stops_and_budget_is_exact(models):

@@ -11,17 +11,13 @@ a root drawn from last round's residual).  A chi-square test per row (cells with
 emitted" must hold.  The joint of the first two tokens of every sequence is tested the same way.
 
 `generate` costs ~0.2-0.5 ms of Python per decoded token here, so the budget is met by (1)
-counting every transition of 10-token sequences rather than one sample per call, (2) two spawned
-worker processes, and (3) in the workers only, caching `tree_for` and replacing the static
-methods' `draft_features` with a stub that fills the depth column alone: under the default
-`FixedDepth` policy features never influence which tokens are emitted, and they cost a third of
-a draft step.  The `tree` method keeps the real features (its survival is the draft's path
-confidence).  The greedy tests run the unpatched loop.
+counting every transition of 10-token sequences rather than one sample per call and (2) two
+spawned worker processes.  (The default `FixedDepth` policy reads no features, so the static
+methods compute none; the `tree` method's survival is the draft's path confidence.)
 """
 
 from __future__ import annotations
 
-import functools
 import multiprocessing
 import os
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -33,13 +29,11 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-import specstop.decoder.loop as loop
 from specstop.decoder.drafter import ModelDrafter, draft_children
 from specstop.decoder.loop import DecodeConfig, generate
 from specstop.decoder.policy import ConfidenceTree, TreePolicy
 from specstop.decoder.sampling import Sampling, warp
 from specstop.decoder.tree_rule import TreeRule
-from specstop.features import FEATURES, feature_index
 
 V = 5  # generated tokens 0..V-1; V is BOS
 BOS = V
@@ -79,10 +73,13 @@ class TableLM:
         logits = self.extend(ids, positions, tail_allow)
         return (logits[-1:] if last_only else logits), logits[:, :0]
 
-    def retain(self, keep: torch.Tensor) -> None:
-        """keep [m] ascending cached positions."""
-        assert keep.shape[0] <= self.length, (keep, self.length)
-        self.length = keep.shape[0]
+    def reserve(self, tokens: int) -> None:
+        """Nothing to allocate."""
+
+    def retain(self, committed: int, nodes: torch.Tensor) -> None:
+        """Keep `committed` cached positions and the tree nodes `nodes` [k] after them."""
+        assert committed + nodes.shape[0] <= self.length, (committed, nodes, self.length)
+        self.length = committed + nodes.shape[0]
 
 
 def bigram_tables(seed: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,28 +133,9 @@ class Run:
         return target, draft
 
 
-DEPTH = feature_index("depth")
-
-
-def depth_only_features(q: torch.Tensor, tokens: torch.Tensor, depth: int, *rest: object,
-                        ) -> torch.Tensor:
-    """Stand-in for `draft_features` [m, k] -> [m * k, F]: only the depth column (FixedDepth)."""
-    features = torch.zeros(tokens.numel(), len(FEATURES))
-    features[:, DEPTH] = depth
-    return features
-
-
-def speed_up_loop() -> None:
-    """Worker processes only: cache the (immutable) trees, skip the features."""
-    if not hasattr(loop.tree_for, "cache_info"):
-        loop.tree_for = functools.lru_cache(loop.tree_for)
-    loop.draft_features = depth_only_features
-
-
 def decode_chunk(run: Run, chunk: int, n_chunks: int) -> np.ndarray:
     """Sequences [n, SEQ_LEN + 1] (BOS first; -1 after an EOS) of one chunk, seeded by chunk."""
     torch.set_num_threads(1)
-    speed_up_loop()
     target, draft = run.tables()
     lm, drafter = TableLM(target), ModelDrafter(TableLM(draft))
     generator = torch.Generator().manual_seed(1000 * run.seed + chunk)

@@ -21,6 +21,7 @@ from torch import nn
 from specstop.common.errors import SpecstopError
 from specstop.decoder import model_files
 from specstop.decoder.costs import VerifyCosts
+from specstop.decoder.loop import DecodeConfig
 from specstop.drafts.families import build_feature_head
 from specstop.drafts.store import (DRAFT_META_FILE, HEAD_WEIGHTS, load_feature_head, read_meta,
                                    save_draft)
@@ -33,7 +34,7 @@ from specstop.common.errors import DataError
 from specstop.decoder.costs import CostModel
 from specstop.pipeline.workspace import make_workspace
 
-from conftest import tiny_llama
+from conftest import TINY_CONTEXT, tiny_llama
 from stop_models import write_stop_model
 
 WEIGHTS = "model.safetensors"
@@ -246,6 +247,43 @@ def test_compact_vocab_ids_beyond_the_vocabulary_are_refused(tiny_model_dir: Pat
         load_runtime(str(tiny_model_dir), str(model_copy), "float32", "cpu")
     one_line(err, f"{model_copy / DRAFT_META_FILE}: vocab_ids name token 1000000, beyond the "
                   f"draft's vocabulary of 49152")
+
+
+# --- context limits ----------------------------------------------------------------------------
+
+def _feature_head(target: Path, folder: Path, context: int) -> Path:
+    """A feature head on `target` saved with `context` positions in its config."""
+    model = load_model(str(target)).model
+    save_draft(folder, build_feature_head(model, 1, None), "feature", model, None, {})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context}))
+    return folder
+
+
+@pytest.mark.parametrize("case", ["short-draft", "short-target", "layers", "feature-head"])
+def test_the_context_limit_is_the_smaller_models(tiny_model_dir: Path, tiny_target: Path,
+                                                 tmp_path: Path, case: str):
+    """tiny_model_dir has 96 positions, tiny_target 512."""
+    target, draft, expected = {
+        "short-draft": (tiny_target, str(tiny_model_dir), (TINY_CONTEXT, "draft")),
+        "short-target": (tiny_model_dir, str(tiny_target), (TINY_CONTEXT, "target")),
+        "layers": (tiny_target, "layers:1", (512, "target")),
+        "feature-head": (tiny_target, str(_feature_head(tiny_target, tmp_path / "head", 64)),
+                         (64, "draft")),
+    }[case]
+    runtime = load_runtime(str(target), draft, "float32", "cpu")
+    assert (runtime.context_limit, runtime.limited_by) == expected
+
+
+def test_a_prompt_over_the_drafts_context_names_the_draft(tiny_model_dir: Path,
+                                                          tiny_target: Path):
+    runtime = load_runtime(str(tiny_target), str(tiny_model_dir), "float32", "cpu")
+    prompt = torch.zeros(TINY_CONTEXT, dtype=torch.long)
+    with pytest.raises(SpecstopError) as err:
+        runtime.check_fits(prompt, DecodeConfig(max_new_tokens=8, max_depth=4))
+    one_line(err, f"= {TINY_CONTEXT + 13} tokens exceeds the model's context of {TINY_CONTEXT} "
+                  f"tokens (the draft's max_position_embeddings)")
+    runtime.check_fits(prompt[:TINY_CONTEXT - 13], DecodeConfig(max_new_tokens=8, max_depth=4))
 
 
 # --- stop models -------------------------------------------------------------------------------
