@@ -143,7 +143,6 @@ class KVModel:
         self.feature_size: int | None = getattr(model, "feature_size", None)
         self._cache_kw = cache_keyword(model)
         self.cache = Cache(layers=[InPlaceLayer() for _ in range(model.config.num_hidden_layers)])
-        self.length = 0
 
     @property
     def device(self) -> torch.device:
@@ -153,10 +152,14 @@ class KVModel:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    @property
+    def length(self) -> int:
+        """Cached positions (every layer holds as many)."""
+        return self.cache.layers[0].length
+
     def reset(self) -> None:
         """Empty the cache (its buffers stay allocated)."""
         self.cache.reset()
-        self.length = 0
 
     @torch.inference_mode()
     def reserve(self, tokens: int) -> None:
@@ -225,7 +228,6 @@ class KVModel:
             **{self._cache_kw: self.cache},
             **extra,
         )
-        self.length += n
         return out
 
     @torch.inference_mode()
@@ -253,4 +255,3 @@ class KVModel:
         moved = (nodes[in_place:] - in_place).to(self.device)
         for layer in self.cache.layers:
             layer.retain(committed + in_place, moved)
-        self.length = committed + k
