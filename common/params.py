@@ -65,6 +65,8 @@ class ModelsConfig(Section):
     device: Device = "auto"
     cpu_kernel: Literal["onednn", "aten"] = "onednn"  # linear layers on a CPU: oneDNN with
     # prepacked weights (a pass over a few tokens costs about one step) or aten's
+    compile: Literal["auto", "on", "off"] = "auto"  # capture the decoding forwards with
+    # torch.compile (on CUDA as CUDA graphs): auto = on CUDA only
     cache_dir: Path | None = None  # where `embedded` is converted; None: the per-user cache
 
     @property

@@ -25,7 +25,6 @@ from specstop.common.errors import DataError, SpecstopError, first_line
 from specstop.common.files import write_json
 from specstop.features import RoundContext, draft_features, root_statistics
 
-from .kernels import kernel_of
 from .kv import KVModel
 from .policy import ConfidenceThreshold
 from .tree import Tree
@@ -40,7 +39,7 @@ class VerifyCosts:
     device: str
     context: int
     seconds: dict[int, float]  # n -> seconds
-    kernel: str = "aten"  # the CPU linear kernel (`kernels.kernel_of`); tables before it: aten
+    kernel: str = "aten"  # how the forwards ran (`KVModel.kernel`); tables before it: aten
 
     def ratio(self, n: int) -> float:
         """v(n): cost of a pass over n tokens relative to a one-token step."""
@@ -124,7 +123,7 @@ def measure_verify_costs(lm: KVModel, name: str, widths: list[int], context: int
     seconds = {n: statistics.median(t) for n, t in times.items()}
     lm.reset()
     return VerifyCosts(name, str(lm.dtype).removeprefix("torch."), lm.device.type, context, seconds,
-                       kernel_of(lm.model))
+                       lm.kernel)
 
 
 def measure_costs(target: KVModel, draft: KVModel | None, tree: Tree, repeats: int = 10,

@@ -8,16 +8,26 @@ hidden states are asked for by index (`output_hidden_states=[...]`), so a pass k
 layers a drafter reads.  The cache is made of `InPlaceLayer`s, whose keys and values live in
 buffers written in place; `KVModel.retain` keeps a round's accepted path by moving its
 positions down, O(accepted tokens) per layer.
+
+After `KVModel.capture()`, the forwards over up to `GRAPH_TOKENS` new tokens are captured by
+`torch.compile` (on CUDA as CUDA graphs, mode reduce-overhead): each call is padded to a power of
+two and attends over the whole preallocated cache under a mask built here (`GraphLayer`), so a
+call's shapes never depend on the cached length and a handful of shapes are compiled once.
 """
 
 from __future__ import annotations
 
 import inspect
+from typing import Callable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
+from specstop.common.errors import SpecstopError
+
+from .kernels import kernel_of
 from .tree import additive
 
 
@@ -111,11 +121,47 @@ class InPlaceLayer(CacheLayerMixin):
             self.values = self.value_buffer[:, :, :length]
 
 
+class GraphLayer(InPlaceLayer):
+    """An `InPlaceLayer` a captured forward writes: while compiling, `update` writes at the
+    positions after `cursor` (a device tensor the `KVModel` keeps at the cached length) and
+    attention reads the whole buffers (the caller's mask hides what lies past the new tokens),
+    so nothing a compiled call sees depends on the length.  The buffers are marked static
+    (CUDA graphs read them in place); an eager call (a prefill) is `InPlaceLayer`'s."""
+
+    def __init__(self, cursor: torch.Tensor, capacity: int = 0) -> None:
+        super().__init__(capacity)
+        self.cursor = cursor
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._mark_static()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not torch.compiler.is_compiling():
+            return super().update(key_states, value_states, *args, **kwargs)
+        at = self.cursor + torch.arange(key_states.shape[-2], device=key_states.device)
+        self.key_buffer.index_copy_(2, at, key_states)
+        self.value_buffer.index_copy_(2, at, value_states)
+        return self.key_buffer, self.value_buffer
+
+    def reserve(self, tokens: int) -> None:
+        grows = tokens > self.capacity and self.is_initialized
+        super().reserve(tokens)
+        if grows:
+            self._mark_static()
+
+    def _mark_static(self) -> None:
+        for buffer in (self.key_buffer, self.value_buffer):
+            torch._dynamo.mark_static_address(buffer)
+
+
 def _buffer_like(states: torch.Tensor, capacity: int) -> torch.Tensor:
-    """An uninitialised [B, heads, capacity, head_dim] buffer for `states` [B, heads, n,
-    head_dim] (their dtype and device)."""
+    """A zeroed [B, heads, capacity, head_dim] buffer for `states` [B, heads, n, head_dim] (their
+    dtype and device): a captured forward attends over all of it, and a masked NaN still
+    poisons attention."""
     b, h, _, d = states.shape
-    return states.new_empty(b, h, capacity, d)
+    return states.new_zeros(b, h, capacity, d)
 
 
 class KVModel:
@@ -129,7 +175,7 @@ class KVModel:
     A draft with a pruned output vocabulary returns logits over `vocab_ids` only; they are
     scattered back into the full vocabulary (the rest gets probability 0, so verification stays
     exact).  A feature-conditioned draft head (`feature_size` set) also takes one feature vector
-    per new token.
+    per new token.  After `capture()`, the forwards are captured (module docstring).
     """
 
     def __init__(self, model: torch.nn.Module, vocab_size: int | None = None,
@@ -143,6 +189,23 @@ class KVModel:
         self.feature_size: int | None = getattr(model, "feature_size", None)
         self._cache_kw = cache_keyword(model)
         self.cache = Cache(layers=[InPlaceLayer() for _ in range(model.config.num_hidden_layers)])
+        self.captured: Callable[..., ModelOutput] | None = None
+
+    def capture(self) -> KVModel:
+        """Capture the forwards from now on (before the first): a `GraphLayer` cache and the
+        model compiled by `capture`."""
+        assert self.length == 0, "capture before the first forward"
+        self.cursor = torch.zeros((), dtype=torch.long, device=self.device)
+        torch._dynamo.mark_static_address(self.cursor)
+        self.cache = Cache(layers=[GraphLayer(self.cursor) for _ in self.cache.layers])
+        self.captured = capture(self.model)
+        return self
+
+    @property
+    def kernel(self) -> str:
+        """How its forwards run: the CPU linear kernel (`kernels.kernel_of`), `+compiled` once
+        captured (a cost table measured one way does not hold for the other)."""
+        return kernel_of(self.model) + ("+compiled" if self.captured is not None else "")
 
     @property
     def device(self) -> torch.device:
@@ -160,10 +223,15 @@ class KVModel:
     def reset(self) -> None:
         """Empty the cache (its buffers stay allocated)."""
         self.cache.reset()
+        if self.captured is not None:
+            self.cursor.zero_()
 
     @torch.inference_mode()
     def reserve(self, tokens: int) -> None:
-        """Allocate room for `tokens` cached positions now rather than growing into it."""
+        """Allocate room for `tokens` cached positions now rather than growing into it (with
+        `capture()`, a multiple of `CAPACITY_STEP`: each capacity is a shape to compile)."""
+        if self.captured is not None:
+            tokens = -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
         for layer in self.cache.layers:
             layer.reserve(tokens)
 
@@ -208,6 +276,8 @@ class KVModel:
         transformers' `output_hidden_states` (indices select layers)."""
         n = ids.shape[0]
         device = self.device
+        if self.captured is not None and n <= GRAPH_TOKENS and self.cache.layers[0].is_initialized:
+            return self._captured_forward(ids, positions, tail_allow, features, hidden_states)
         mask = None
         if tail_allow is not None:
             tail = tail_allow.shape[1]
@@ -228,7 +298,59 @@ class KVModel:
             **{self._cache_kw: self.cache},
             **extra,
         )
+        if self.captured is not None:
+            self.cursor.fill_(self.length)
         return out
+
+    def _captured_forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                          tail_allow: torch.Tensor | None, features: torch.Tensor | None,
+                          hidden_states: list[int] | bool) -> ModelOutput:
+        """`_forward` through the captured model: the n tokens padded to a power of two (each
+        padding row sees only itself and is dropped from the cache after), attending over the
+        whole cache; the outputs are cloned (a CUDA graph's are overwritten by its next
+        replay)."""
+        n, device, start = ids.shape[0], self.device, self.length
+        width = 1 << (n - 1).bit_length()
+        self.reserve(start + width)
+        mask = self._whole_cache_mask(n, width, tail_allow)
+        pad = width - n
+        ids = torch.cat([ids.to(device), ids[:1].to(device).expand(pad)])
+        positions = torch.cat([positions.to(device), positions[:1].to(device).expand(pad)])
+        extra = {}
+        if features is not None:
+            features = features.to(device, self.dtype)
+            extra["features"] = torch.cat([features, features[:1].expand(pad, -1)])[None]
+        torch.compiler.cudagraph_mark_step_begin()
+        out = self.captured(input_ids=ids[None], attention_mask=mask[None, None],
+                            position_ids=positions[None], use_cache=True,
+                            output_hidden_states=hidden_states, logits_to_keep=0,
+                            **{self._cache_kw: self.cache}, **extra)
+        for layer in self.cache.layers:
+            layer._set_length(start + n)
+        self.cursor.fill_(start + n)
+        hidden = None
+        if hidden_states:
+            hidden = tuple(None if h is None else h[:, :n].clone() for h in out.hidden_states)
+        return CausalLMOutputWithPast(logits=out.logits[:, :n].clone(), hidden_states=hidden)
+
+    def _whole_cache_mask(self, n: int, width: int,
+                          tail_allow: torch.Tensor | None) -> torch.Tensor:
+        """[width, capacity] additive mask of a captured call over n new tokens padded to
+        `width`: a new token sees the cached positions before the tail and `tail_allow` (None: a
+        causal chain), a padding row only itself, nothing sees past them."""
+        device, start = self.device, self.length
+        if tail_allow is None:
+            tail_allow = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        bias = tail_allow.to(device)
+        if bias.dtype == torch.bool:
+            bias = additive(bias, self.dtype)
+        end, capacity = start + n, self.cache.layers[0].capacity
+        mask = torch.full((width, capacity), torch.finfo(self.dtype).min, dtype=self.dtype,
+                          device=device)
+        mask[:n, : end - bias.shape[1]] = 0.0
+        mask[:n, end - bias.shape[1]: end] = bias
+        mask[n:, end: start + width].fill_diagonal_(0.0)
+        return mask
 
     @torch.inference_mode()
     def project(self, target_hidden: torch.Tensor) -> torch.Tensor:
@@ -246,12 +368,35 @@ class KVModel:
     @torch.inference_mode()
     def retain(self, committed: int, nodes: torch.Tensor) -> None:
         """Keep the first `committed` cached positions, then the tree positions `committed +
-        nodes` ([k] long, ascending) moved down to follow them; nodes already in place (a leading
-        run 0, 1, ..) are not moved.  RoPE needs no recompute: positions were fed explicitly."""
-        nodes = nodes.cpu()
-        k = nodes.shape[0]
-        assert committed + k <= self.length, (committed, k, self.length)
-        in_place = int((nodes == torch.arange(k)).cumprod(0).sum())
-        moved = (nodes[in_place:] - in_place).to(self.device)
+        nodes` ([k] long, ascending; sent to the cache's device unless they are there) moved down
+        to follow them.  RoPE needs no recompute: positions were fed explicitly."""
+        assert committed + nodes.shape[0] <= self.length, (committed, nodes.shape, self.length)
+        nodes = nodes.to(self.device)
         for layer in self.cache.layers:
-            layer.retain(committed + in_place, moved)
+            layer.retain(committed, nodes)
+        if self.captured is not None:
+            self.cursor.fill_(self.length)
+
+
+GRAPH_TOKENS = 64  # calls over more new tokens (a prefill) run eagerly: they are compute-bound
+CAPACITY_STEP = 256  # a captured cache's capacity is a multiple of this
+GRAPH_SHAPES = 64  # compiled variants kept per model: widths x hidden-state layers x capacities
+
+
+def captures(setting: str, device: torch.device, cpu_kernel: str) -> bool:
+    """Whether params' `models.compile` (auto | on | off) captures the forwards on `device`:
+    auto does on CUDA only.  On a CPU it needs aten's linear (Inductor cannot lower oneDNN's
+    prepacked one): a SpecstopError otherwise."""
+    on = setting == "on" or (setting == "auto" and device.type == "cuda")
+    if on and device.type == "cpu" and cpu_kernel != "aten":
+        raise SpecstopError(f"models.compile: on needs models.cpu_kernel: aten on a CPU "
+                            f"(Inductor cannot lower the prepacked {cpu_kernel} linear)")
+    return on
+
+
+def capture(model: torch.nn.Module) -> Callable[..., ModelOutput]:
+    """`model` compiled for `KVModel.capture`: on CUDA as CUDA graphs (mode
+    reduce-overhead), elsewhere with Inductor's defaults; one compiled variant per shape."""
+    cuda = next(model.parameters()).device.type == "cuda"
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPH_SHAPES)
+    return torch.compile(model, mode="reduce-overhead" if cuda else None, dynamic=False)

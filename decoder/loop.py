@@ -378,14 +378,22 @@ def verify(tree: Tree, proposal: Proposal, scores: Scores, config: DecodeConfig,
 
 def commit(target: KVModel, drafter: Drafter | None, proposal: Proposal, scores: Scores,
            verdict: Verdict) -> None:
-    """Keep the accepted path in both caches."""
-    path = torch.tensor(verdict.path, dtype=torch.long)
-    target.retain(proposal.root_position, path)
+    """Keep the accepted path in both caches, moved by device copies of its nodes."""
+    target.retain(proposal.root_position, verdict.path_index)
     if drafter is not None:
-        fed = proposal.fed[path]
         hidden = scores.hidden
-        drafter.commit(proposal.tokens[verdict.path_index], fed[fed >= 0],
+        drafter.commit(proposal.tokens[verdict.path_index], _fed_path(proposal, verdict),
                        None if hidden is None else hidden[verdict.path_index])
+
+
+def _fed_path(proposal: Proposal, verdict: Verdict) -> torch.Tensor:
+    """[j] the fed tree's indices of the path's fed nodes (they lead it): the verdict's device
+    copy of the path when they are the verified tree's own (a static tree is its own fed tree),
+    else the host's."""
+    fed = proposal.fed[verdict.path]
+    fed = fed[fed >= 0]
+    own = fed.tolist() == verdict.path[: fed.shape[0]]
+    return verdict.path_index[: fed.shape[0]] if own else fed
 
 
 def _round_record(index: int, tree: Tree, proposal: Proposal, scores: Scores,

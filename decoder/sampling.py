@@ -53,10 +53,11 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def uniform(generator: torch.Generator | None) -> float:
-    """One float64 uniform in [0, 1) (float32 `rand` can return exactly 0; pytorch#16706)."""
-    device = generator.device if generator is not None else None
-    return torch.rand((), dtype=torch.float64, generator=generator, device=device).item()
+def uniforms(n: int, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """[n] float64 uniforms in [0, 1) on `device`, drawn in one call on the generator's device
+    (float32 `rand` can return exactly 0; pytorch#16706)."""
+    source = generator.device if generator is not None else device
+    return torch.rand(n, dtype=torch.float64, generator=generator, device=source).to(device)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

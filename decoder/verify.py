@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from .contracts import Verdict
-from .sampling import Sampling, uniform
+from .sampling import Sampling, uniforms
 from .tree import Tree
 
 RESIDUAL_FLOOR = 1e-12
@@ -35,43 +35,44 @@ def mcss(
     q: torch.Tensor,  # [V] float64 draft distribution the candidates came from
     candidates: torch.Tensor | Sequence[int],  # [k] in sampling order
     without_replacement: bool,
-    generator: torch.Generator | None,
-) -> tuple[int, torch.Tensor]:
-    """Multi-candidate speculative sampling (Yang et al. 2024, arXiv 2401.06706, Alg. 1).
+    u: torch.Tensor,  # [k] float64 uniforms, one per candidate
+    valid: torch.Tensor | None = None,  # [k] bool, False for a padding slot (never tested)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Multi-candidate speculative sampling (Yang et al. 2024, arXiv 2401.06706, Alg. 1), on p's
+    device without a sync.
 
-    Returns (index of the accepted candidate, p) or (-1, the residual to sample the correction
-    from).  With `without_replacement`, a candidate whose q̄ is already 0 (a repeat, or padding
-    when q's support is smaller than k) is skipped: it could not have been drawn.  The tests'
-    thresholds come to the host in one transfer (`_mcss_tests`); a uniform is drawn per test, in
-    order, and only until one accepts.
+    Candidate i is tested with u[i] < p(x)/q̄(x), in order, until one accepts.  With
+    `without_replacement`, a candidate whose q̄ is already 0 (a repeat, or padding when q's
+    support is smaller than k) is skipped: it could not have been drawn.  Returns (the index of
+    the accepted candidate, -1 for none: a 0-d long tensor; p, or the residual to sample the
+    correction from when none was accepted; [k] the thresholds of the tests made, nan elsewhere).
     """
-    thresholds, dists = _mcss_tests(p, q, torch.as_tensor(candidates, device=p.device),
-                                   without_replacement)
-    for i, threshold in enumerate(thresholds):
-        if math.isnan(threshold):  # skipped
-            continue
-        if uniform(generator) < threshold:
-            return i, dists[i]
-    return -1, dists[-1]
+    candidates = torch.as_tensor(candidates, device=p.device)
+    valid = torch.ones_like(candidates, dtype=torch.bool) if valid is None else valid
+    thresholds, rest = _mcss_tests(p, q, candidates, valid, without_replacement)
+    made = ~thresholds.isnan()
+    accepted = made & (u < thresholds)
+    first = accepted.long().argmax()  # 0 when none accepted
+    index = torch.where(accepted.any(), first, -1)
+    made &= accepted.long().cumsum(0) - accepted.long() == 0  # none accepted before
+    return index, torch.where(index < 0, rest, p), torch.where(made, thresholds, math.nan)
 
 
-def _mcss_tests(p: torch.Tensor, q: torch.Tensor, candidates: torch.Tensor,
-                without_replacement: bool) -> tuple[list[float], list[torch.Tensor]]:
-    """Every test `mcss` may make, computed on p's device: the thresholds p(x)/q̄(x) of the k
-    candidates (nan for a skipped one), as floats in one transfer, and the k + 1 distributions
-    [V] each test is made against, then the residual left after the last."""
-    q_bar, thresholds, dists = q, [], [p]
-    for x in candidates.split(1):
+def _mcss_tests(p: torch.Tensor, q: torch.Tensor, candidates: torch.Tensor, valid: torch.Tensor,
+                without_replacement: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every test `mcss` may make: [k] thresholds p(x)/q̄(x) (nan for a skipped candidate), and
+    the residual [V] left after the last."""
+    q_bar, thresholds = q, []
+    for x, ok in zip(candidates.split(1), valid.split(1)):
         q_x = q_bar[x]
-        drawable = q_x > 0
+        drawable = ok & (q_x > 0)
         thresholds.append(torch.where(drawable, p[x] / q_x, math.nan))
         p = torch.where(drawable, residual(p, q_bar), p)  # subtract q̄ before removing x
         if without_replacement:
             removed = q_bar.index_fill(0, x, 0.0)
             mass = removed.sum()  # 0: every later candidate is skipped
             q_bar = torch.where(drawable, torch.where(mass > 0, removed / mass, removed), q_bar)
-        dists.append(p)
-    return torch.cat(thresholds).tolist(), dists
+    return torch.cat(thresholds), p
 
 
 def verify_tree(
@@ -89,35 +90,68 @@ def verify_tree(
     device.
 
     Greedy: follow the child equal to argmax p (torch.argmax: first index on ties), on the device
-    at once (`_greedy_walk`).  Sampling: `mcss` at every node along the path.
+    at once (`_greedy_walk`).  Sampling: `mcss` at every node along the path (`sampled_walk`),
+    with one uniform per node drawn in one call.
     """
     assert tree.roots == 1, "exact verification needs a single committed root"
     n = tree.size(depth)
     assert tokens.shape == (n,) and p.shape[0] == n, (tokens.shape, p.shape, n)
     if sampling.greedy:
         return _greedy_walk(tree, depth, tokens, p, eos_id)
-    ids = tokens.tolist()
-    node, path, next_dist = 0, [0], None
-    while True:
-        kids = tree.children(node)
-        if not kids or kids.start >= n:
-            next_dist = p[node]
+    u = uniforms(n, tokens.device, generator)
+    return sampled_walk(tree, depth, tokens, p, q, without_replacement, eos_id, u)[0]
+
+
+def sampled_walk(tree: Tree, depth: int, tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                 without_replacement: bool, eos_id: int | None,
+                 u: torch.Tensor) -> tuple[Verdict, torch.Tensor]:
+    """The sampled path, one level at a time on the device and one transfer: at the path's node
+    `mcss` tests its children, node i with the uniform u[i] ([n] float64); the walk stops at a
+    rejection, an accepted EOS or a leaf (on a GPU it idles through the levels left rather than
+    ask the host).  Also returns [n] the thresholds of the tests made, nan for the nodes never
+    tested."""
+    n, device = tokens.shape[0], tokens.device
+    parent, widest = tree.parent[:n], max(tree.branching[:depth], default=0)
+    node = torch.zeros(1, dtype=torch.long, device=device)
+    walking = torch.ones((), dtype=torch.bool, device=device)
+    nodes, next_dist = [node], p[0].double()
+    made = torch.full((n + widest,), math.nan, dtype=torch.float64, device=device)
+    for d in range(1, depth + 1):
+        rank = torch.arange(tree.branching[d - 1], device=device)
+        first = torch.searchsorted(parent, node)
+        kids = first + rank
+        valid = walking & (rank < torch.searchsorted(parent, node, right=True) - first)
+        at = kids.clamp_max(n - 1)
+        index, dist, thresholds = mcss(p.index_select(0, node)[0].double(),
+                                       q.index_select(0, node)[0].double(), tokens[at],
+                                       without_replacement, u[at], valid)
+        made[kids] = torch.where(valid, thresholds, made[kids])
+        accepted = index >= 0
+        next_dist = torch.where(walking & ~accepted, dist, next_dist)
+        node = torch.where(accepted, at[index.clamp_min(0)], node)
+        nodes.append(torch.where(accepted, node, -1))
+        if eos_id is not None:
+            accepted &= tokens[node][0] != eos_id
+        walking = accepted
+        if reads_are_free(device) and not walking:
             break
-        chosen, dist = mcss(p[node].double(), q[node].double(), tokens[kids.start:kids.stop],
-                            without_replacement, generator)
-        if chosen < 0:
-            next_dist = dist
-            break
-        node = kids[chosen]
-        path.append(node)
-        if ids[node] == eos_id:
-            break
-    index = torch.tensor(path, device=tokens.device)
-    on_path = torch.zeros(n, dtype=torch.bool, device=tokens.device).index_fill_(0, index, True)
+    next_dist = torch.where(walking, p.index_select(0, node)[0].double(), next_dist)
+    path_index = torch.cat(nodes)
+    host_nodes, host_tokens = torch.stack([path_index, tokens[path_index.clamp_min(0)]]).tolist()
+    k = host_nodes.index(-1) if -1 in host_nodes else len(host_nodes)
+    path, path_tokens = host_nodes[:k], host_tokens[:k]
+    ended = k > 1 and path_tokens[-1] == eos_id
+    on_path = torch.zeros(n, dtype=torch.bool, device=device).index_fill_(0, path_index[:k], True)
     tested = on_path.clone()  # nothing below an accepted EOS was tested
-    tested[path[-1]] = next_dist is not None
-    return Verdict(path, [ids[i] for i in path], index, next_dist,
-                   _labels(tree.parent[:n], on_path, tested))
+    tested[path[-1]] = not ended
+    return Verdict(path, path_tokens, path_index[:k], None if ended else next_dist,
+                   _labels(parent, on_path, tested)), made[:n]
+
+
+def reads_are_free(device: torch.device) -> bool:
+    """Whether the host reads a value on `device` without waiting for it (the CPU: it is there),
+    so a walk may stop as soon as it is over."""
+    return device.type == "cpu"
 
 
 def _greedy_walk(tree: Tree, depth: int, tokens: torch.Tensor, p: torch.Tensor,
@@ -170,7 +204,7 @@ def dynasd_select(
     """
     assert all(k == 1 for k in tree.branching), "the DynaSD rule verifies one chain per root"
     n = tree.size(depth)
-    ids = tokens.tolist()
+    ids, u = tokens.tolist(), uniforms(n, tokens.device, generator).tolist()
     labels = torch.full((n,), -1, dtype=torch.int8, device=tokens.device)
     best_len, best_root, best_rejected_at = -1, 0, None
     for b in range(tree.roots):
@@ -184,7 +218,7 @@ def dynasd_select(
             if sampling.greedy:
                 ok = x == int(torch.argmax(p[node]))
             else:
-                ok = uniform(generator) < float(p[node, x].double() / q[node, x].double())
+                ok = u[child] < float(p[node, x].double() / q[node, x].double())
             labels[child] = int(ok)
             if not ok:
                 rejected_at = node

@@ -15,7 +15,7 @@ from specstop.common.paths import TARGET_CACHE, TRUNCATED_PREFIX
 from specstop.decoder.costs import VerifyCosts
 from specstop.decoder.drafter import FeatureDrafter, ModelDrafter
 from specstop.decoder.kernels import kernel_of, pack_linears
-from specstop.decoder.kv import KVModel
+from specstop.decoder.kv import KVModel, captures
 from specstop.decoder.load import (LoadedModel, check_same_tokenizer, load_model, resolve_device,
                                    resolve_dtype)
 from specstop.decoder.runtime import Runtime
@@ -28,11 +28,13 @@ LoadedDrafter = ModelDrafter | FeatureDrafter  # what the loaders build: each ha
 
 def load_runtime(target: str, draft: str | None, dtype: str = "auto", device: str = "auto",
                  cache_dir: Path = TARGET_CACHE, costs: Path | None = None,
-                 cpu_kernel: str = "onednn") -> Runtime:
+                 cpu_kernel: str = "onednn", compile: str = "auto") -> Runtime:
     """Load the target, the draft (`layers:N` truncates the target) and an optional cost table;
-    on a CPU both models' linear layers run on `cpu_kernel` (`decoder.kernels`)."""
+    on a CPU both models' linear layers run on `cpu_kernel` (`decoder.kernels`); both models'
+    forwards are captured (`KVModel.capture`) with `compile` on, or on CUDA with `auto`."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    captured = captures(compile, dev, cpu_kernel)
     loaded = load_model(target, dt, dev, cache_dir)
     vocab = loaded.model.config.vocab_size
     drafter = None
@@ -43,14 +45,18 @@ def load_runtime(target: str, draft: str | None, dtype: str = "auto", device: st
             drafter = _load_drafter(draft, loaded, dt, dev, cache_dir)
         pack_linears(drafter.lm.model, cpu_kernel)
     pack_linears(loaded.model, cpu_kernel)
+    target_lm = KVModel(loaded.model)
+    if captured:
+        for lm in [target_lm] + ([drafter.lm] if drafter else []):
+            lm.capture()
     table = None
     if costs is not None and Path(costs).is_file():
         table = VerifyCosts.load(costs)
         if (table.model, table.dtype, table.device, table.kernel) != \
-                (target, str(dt).removeprefix("torch."), dev.type, kernel_of(loaded.model)):
+                (target, str(dt).removeprefix("torch."), dev.type, target_lm.kernel):
             table = None  # measured for another model, dtype, device or kernel: not applicable
     limit, limited_by = context_limit(loaded.model, drafter)
-    return Runtime(KVModel(loaded.model), drafter, loaded.tokenizer, table, limit, limited_by)
+    return Runtime(target_lm, drafter, loaded.tokenizer, table, limit, limited_by)
 
 
 def context_limit(target: torch.nn.Module, drafter: LoadedDrafter | None) -> tuple[int, str]:
@@ -131,6 +137,8 @@ def plain_drafter(draft: str, runtime: Runtime, cache_dir: Path) -> ModelDrafter
                                  target.device, cache_dir)
     drafter = _model_drafter(model, ids, vocab)
     pack_linears(drafter.lm.model, kernel_of(target.model))  # the target's kernel
+    if target.captured is not None:  # and captured as the target is
+        drafter.lm.capture()
     return drafter
 
 
@@ -157,7 +165,7 @@ def runtime_from(models: ModelsConfig, costs: CostsConfig, need_draft: bool) -> 
     """The runtime params.yaml's `models` and `costs` name (the draft only where needed)."""
     return load_runtime(target=models.target, draft=models.draft if need_draft else None,
                         dtype=models.dtype, device=models.device, cache_dir=models.target_cache,
-                        costs=costs.path, cpu_kernel=models.cpu_kernel)
+                        costs=costs.path, cpu_kernel=models.cpu_kernel, compile=models.compile)
 
 
 def require_draft(draft: str) -> None:

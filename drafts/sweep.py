@@ -228,7 +228,8 @@ def _measure(spec: DraftSpec, folder: Path, cfg: DraftConfig, models: ModelsConf
     meta = read_meta(folder)
     alpha = float(meta["train_metrics"]["val_alpha"])
     runtime = load_runtime(models.target, str(folder), models.dtype, models.device,
-                           models.target_cache, cpu_kernel=models.cpu_kernel)
+                           models.target_cache, cpu_kernel=models.cpu_kernel,
+                           compile=models.compile)
     target_costs = measure_verify_costs(runtime.target, "target", [], repeats=10)
     draft_costs = measure_verify_costs(runtime.drafter.lm, "draft", [], repeats=10)
     c = draft_costs.seconds[1] / target_costs.seconds[1]

@@ -14,6 +14,7 @@ from specstop.decoder.policy import StoppingPolicy
 from specstop.decoder.runtime import Runtime
 from specstop.prompts.sources import humaneval_request
 
+from .intervals import Ratio, speed_ratio
 from .quality import divergence_gap, extract_code, humaneval_passed, mean_target_logprob
 
 WARM_UP_TOKENS = 32  # the warm-up decodes read the first prompt's first tokens
@@ -125,15 +126,31 @@ def score_humaneval(runtime: Runtime, results: list[MethodResult], problems: lis
 
 
 def table(results: list[MethodResult], n_prompts: int, with_pass: bool = False) -> str:
-    ar = next((r.stats.tokens_per_s for r in results if r.method == "ar"), 0.0)
-    lines = [f"{'method':<16}{'tokens/s':>10}{'vs ar':>8}{'acc/call':>10}{'accept':>8}"
-             f"{'=ar':>8}{'logp/tok':>10}" + (f"{'pass@1':>8}" if with_pass else "")]
+    """The side-by-side table: per method tokens/s, the ratio to `ar` with its paired 95%
+    bootstrap interval over prompts (`-` with fewer than 2 prompts or for `ar` itself),
+    tokens per target call, acceptance, outputs identical to `ar`'s, mean target log-prob."""
+    ar = next((r for r in results if r.method == "ar"), None)
+    lines = [f"{'method':<16}{'tokens/s':>10}{'vs ar':>8}{'95% CI':>12}{'acc/call':>10}"
+             f"{'accept':>8}{'=ar':>8}{'logp/tok':>10}" + (f"{'pass@1':>8}" if with_pass else "")]
     for r in results:
         s = r.stats
-        line = (f"{r.method:<16}{s.tokens_per_s:>10.2f}{s.tokens_per_s / ar if ar else 0:>8.2f}"
+        ratio = _ratio_to(r, ar)
+        interval = "-" if ratio.ci95 is None else "{:.2f}-{:.2f}".format(*ratio.ci95)
+        line = (f"{r.method:<16}{s.tokens_per_s:>10.2f}{ratio.ratio:>8.2f}{interval:>12}"
                 f"{s.mean_accepted:>10.2f}{s.acceptance_rate:>8.3f}"
                 f"{f'{r.identical_to_ar}/{n_prompts}':>8}{r.mean_logprob(n_prompts):>10.3f}")
         if with_pass:
             line += f"{f'{r.passed}/{n_prompts}':>8}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _ratio_to(result: MethodResult, reference: MethodResult | None) -> Ratio:
+    """`result`'s throughput over `reference`'s on the same prompts (0 without a reference)."""
+    if reference is None or reference.stats.tokens_per_s == 0:
+        return Ratio(0.0, None)
+    if result is reference:
+        return Ratio(1.0, None)
+    a, b = result.per_prompt, reference.per_prompt
+    return speed_ratio([s.new_tokens for s in a], [s.seconds for s in a],
+                       [s.new_tokens for s in b], [s.seconds for s in b])

@@ -17,6 +17,6 @@ def run(params: Params) -> None:
     runtime = load_runtime(models.target, models.draft, models.dtype,
                            collection.process_device(models.device),
                            models.target_cache,  # every check before the logs are touched
-                           cpu_kernel=models.cpu_kernel)
+                           cpu_kernel=models.cpu_kernel, compile=models.compile)
     collection.collect(runtime, parts, config, collect, models, rank, world,
                        tuple(params.costs.widths))

@@ -10,7 +10,7 @@ from specstop.common.params import DecodeParams, Params, with_overrides
 from specstop.decoder.policy import ConfidenceThreshold, FixedDepth, StoppingPolicy
 from specstop.decoder.stop_model import load_stop_model
 
-MODEL_FLAGS = ("target", "draft", "dtype", "device", "cpu_kernel")
+MODEL_FLAGS = ("target", "draft", "dtype", "device", "cpu_kernel", "compile")
 DECODE_FLAGS = ("method", "max_new_tokens", "temperature", "top_p", "max_depth", "policy",
                 "gamma", "threshold", "stop_model", "mcsd_branching", "ti_width", "lossy",
                 "seed")
@@ -23,6 +23,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="auto, cpu, cuda, cuda:1 ...")
     parser.add_argument("--cpu-kernel", choices=["onednn", "aten"],
                         help="linear layers on a CPU: oneDNN, weights prepacked (default), or aten")
+    parser.add_argument("--compile", choices=["auto", "on", "off"],
+                        help="capture the decoding forwards with torch.compile, as CUDA graphs on "
+                        "CUDA (auto: on CUDA only)")
 
 
 def add_decode_args(parser: argparse.ArgumentParser) -> None:

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The prepared GPU check (`make gpu-check`): the GPU and its software, the CUDA-marked tests,
 # every method decoding the embedded model on the GPU (`generate`), and `bench-decode` figures
-# in bf16 and fp32.  It installs nothing: it runs on an installed .venv (`make install`, or one
-# carried along) or on $PYTHON.  Each step's output goes to the terminal and to
-# $OUT/<step>.log (else build/gpu-check/), a PASS/FAIL line per step to summary.txt; a failed
-# step does not stop the others, the exit status says whether any failed.
+# in bf16 (captured as CUDA graphs, the default on CUDA, and eager) and fp32.  It installs
+# nothing: it runs on an installed .venv (`make install`, or one carried along) or on $PYTHON.
+# Each step's output goes to the terminal and to $OUT/<step>.log (else build/gpu-check/), a
+# PASS/FAIL line per step to summary.txt; a failed step does not stop the others, the exit
+# status says whether any failed.
 #
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_TOKENS=8 scripts/gpu_check.sh   # a dry run without a GPU
 set -uo pipefail
@@ -87,9 +88,11 @@ if [ -f "$STOP_MODEL" ]; then
 else
     echo "generate-tree              SKIP (no $STOP_MODEL)" | tee -a "$OUT_DIR/summary.txt"
 fi
-for dtype in bfloat16 float32; do
-    step "bench-decode-$dtype" specstop bench-decode --methods ar sd mcsd ti-mcsd \
-        --prompts "$PROMPTS" --dtype "$dtype" "${MODEL_FLAGS[@]}"
+for run in "bfloat16 auto" "bfloat16 off" "float32 auto"; do
+    read -r dtype compile <<< "$run"
+    step "bench-decode-$dtype-compile-$compile" specstop bench-decode \
+        --methods ar sd mcsd ti-mcsd --prompts "$PROMPTS" --dtype "$dtype" --compile "$compile" \
+        "${MODEL_FLAGS[@]}"
 done
 
 printf '\n=== summary (%s)\n' "$OUT_DIR/summary.txt"

@@ -146,10 +146,15 @@ def test_bench_decode_tables_every_method(cli: Run, case: str):
     assert result.returncode == 0, result.stderr
     head, header, *rows = result.stdout.splitlines()
     assert head.startswith("2 prompts, dtype torch.float32")
-    assert header.split() == ["method", "tokens/s", "vs", "ar", "acc/call", "accept", "=ar",
-                              "logp/tok"]
-    table = {row.split()[0]: row.split()[1:] for row in rows}
-    assert list(table) == ["ar", "sd", "mcsd", "ti-mcsd"]
+    assert header.split() == ["method", "tokens/s", "vs", "ar", "95%", "CI", "acc/call", "accept",
+                              "=ar", "logp/tok"]
+    table = {" ".join(row.split()[:-7]): row.split()[-7:] for row in rows}  # 7 figures each
+    assert list(table) == ["ar", "sd", "mcsd", "ti-mcsd", "ti-mcsd --lossy"]
+    assert table["ar"][1:3] == ["1.00", "-"]
+    for cells in table.values():  # two prompts: an interval (or none, if every resample agrees)
+        if cells[2] != "-":
+            low, high = map(float, cells[2].split("-"))
+            assert 0 < low <= high
     assert all(cells[-2] == "2/2" for cells in table.values())  # greedy fp32: lossless
     assert len({cells[-1] for cells in table.values()}) == 1  # same outputs, same log-prob
     assert all(float(cells[-1]) < 0 for cells in table.values())

@@ -1,6 +1,7 @@
 """The decode loop on a CUDA GPU (tiny random Llamas in fp32, as on the CPU): greedy identity
-with `ar` for every exact method, sampling with a CUDA generator, the caches after decoding,
-and the CUDA synchronisations of a greedy `sd` round.  Skipped without a GPU; `make gpu-check`
+with `ar` for every exact method, eager and captured as CUDA graphs (`KVModel.capture`, mode
+reduce-overhead), sampling with a CUDA generator, the caches after decoding, and the CUDA
+synchronisations of a greedy `sd` round.  Skipped without a GPU; `make gpu-check`
 (scripts/gpu_check.sh) runs them with `pytest -m cuda`."""
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from specstop.decoder.policy import ConfidenceTree
 from specstop.decoder.sampling import Sampling
 from specstop.drafts.families import build_feature_head
 
+from test_compiled import CONFIGS
+from test_compiled import decode as decode_captured
 from test_dynamic_tree import RULES, ar_tokens, tree_run
 from test_loop_tiny import EXACT, assert_cache_holds, prompts, run, with_method
 
@@ -62,6 +65,20 @@ def test_greedy_static_methods_equal_ar(models, config):
     for prompt in prompts(3):
         reference = run(target, None, prompt, with_method(config, method="ar")).tokens
         assert run(target, draft, prompt, config).tokens == reference
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.method}-{c.mcsd_branching}")
+def test_cuda_graphs_equal_ar(models, config):
+    """Both models captured as CUDA graphs: the tokens of eager `ar`, and the caches of a fresh
+    prefill."""
+    torch._dynamo.reset()
+    for prompt in prompts(2):
+        tokens, target_lm, draft_lm = decode_captured(models, prompt, config, True)
+        assert tokens == decode_captured(models, prompt, with_method(config, method="ar"),
+                                         False)[0]
+    committed = torch.cat([prompt, torch.tensor(tokens)])
+    for lm, model in [(target_lm, models[0]), (draft_lm, models[1])]:
+        assert_cache_holds(lm, model, committed[: lm.length])
 
 
 @pytest.mark.parametrize("kind", ["model", "feature"])

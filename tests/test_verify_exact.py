@@ -1,9 +1,9 @@
 """Exact enumeration of the verification rules (VERIFICATION.md §1-2, §5.1), float64, tol 1e-10.
 
-Nothing is sampled.  `verify.uniform` is replaced by `ScriptedUniform`, whose values are probes:
-each `u < threshold` comparison made by the rule records the threshold and answers accept or
-reject from a script.  A depth-first search over the scripts visits every accept/reject branch
-once and weighs it by its exact probability (min(1, t) to accept, 1 - min(1, t) to reject, for a
+Nothing is sampled.  The rules take their uniforms from `ScriptedUniform`, which answers each
+test accept (u = -inf) or reject (u = inf) from a script, and report back the thresholds of the
+tests they made.  A depth-first search over the scripts visits every accept/reject branch once
+and weighs it by its exact probability (min(1, t) to accept, 1 - min(1, t) to reject, for a
 continuous u ~ U[0, 1)).  Summing the emitted token's distribution over all branches and over
 all candidate tuples (weighted by how the drafter draws them) must give back p.  The `tree`
 method's dynamic trees are enumerated the same way, over every pick of candidates
@@ -26,7 +26,7 @@ from specstop.decoder.policy import ConfidenceTree
 from specstop.decoder.sampling import Sampling
 from specstop.decoder.tree import Tree
 from specstop.decoder.tree_rule import TreeRule
-from specstop.decoder.verify import Verdict, mcss, residual, verify_tree
+from specstop.decoder.verify import Verdict, mcss, residual, sampled_walk, verify_tree
 from specstop.features import RoundContext, root_statistics
 
 TOL = 1e-10
@@ -85,48 +85,51 @@ def candidate_tuples(q: torch.Tensor, k: int, wor: bool) -> list[tuple[tuple[int
     return tuples
 
 
-class _Probe:
-    """What the scripted `uniform` returns: only a strict `u < t` comparison is allowed."""
-
-    def __init__(self, owner: ScriptedUniform) -> None:
-        self.owner = owner
-
-    def __lt__(self, threshold: float) -> bool:
-        return self.owner.decide(float(threshold))
-
-    def __le__(self, threshold: float) -> bool:
-        raise AssertionError("verification must test u < p/q strictly (VERIFICATION.md §6)")
-
-    __ge__ = __le__
-
-
 class ScriptedUniform:
-    """Replaces `verify.uniform`: records each acceptance threshold and answers from a script
-    (True = accept); once the script is exhausted every further test rejects."""
+    """The uniforms of a rule's tests, from a script: a list of (uniform id, accept?) for the
+    first tests made, ids counted across every `draw` since `start`; every other test rejects.
+    A rule given `draw(n)` reports the [n] thresholds of the tests it made (nan elsewhere)."""
 
-    def __init__(self) -> None:
-        self.script: list[bool] = []
-        self.thresholds: list[float] = []
-        self.calls = 0
+    def start(self, script: list[tuple[int, bool]]) -> None:
+        self.script, self.drawn, self.reported = script, 0, []
+        self.accept = {i for i, ok in script if ok}
 
-    def start(self, script: list[bool]) -> None:
-        self.script, self.thresholds, self.calls = script, [], 0
+    def draw(self, n: int) -> torch.Tensor:
+        ids = range(self.drawn, self.drawn + n)
+        self.drawn += n
+        return torch.tensor([-math.inf if i in self.accept else math.inf for i in ids],
+                            dtype=torch.float64)
 
-    def __call__(self, generator: torch.Generator | None = None) -> _Probe:
-        self.calls += 1
-        return _Probe(self)
+    def report(self, made: torch.Tensor) -> None:
+        self.reported.append(made)
 
-    def decide(self, threshold: float) -> bool:
-        i = len(self.thresholds)
-        self.thresholds.append(threshold)
-        return self.script[i] if i < len(self.script) else False
+    def tests(self) -> tuple[list[int], list[float]]:
+        """(ids, thresholds) of the tests made, in order."""
+        made = torch.cat(self.reported) if self.reported else torch.zeros(0)
+        assert made.shape[0] == self.drawn, "every draw is reported"
+        ids = (~made.isnan()).nonzero().flatten().tolist()
+        return ids, made[ids].tolist()
 
 
 @pytest.fixture
-def scripted(monkeypatch: pytest.MonkeyPatch) -> ScriptedUniform:
-    u = ScriptedUniform()
-    monkeypatch.setattr(verify, "uniform", u)
-    return u
+def scripted() -> ScriptedUniform:
+    return ScriptedUniform()
+
+
+def scripted_mcss(u: ScriptedUniform, p: torch.Tensor, q: torch.Tensor, cands: list[int],
+                  wor: bool) -> tuple[int, torch.Tensor]:
+    """`mcss` on scripted uniforms: (index of the accepted candidate or -1, its distribution)."""
+    index, dist, made = mcss(p, q, cands, wor, u.draw(len(cands)))
+    u.report(made)
+    return int(index), dist
+
+
+def scripted_walk(u: ScriptedUniform, tree: Tree, depth: int, ids: torch.Tensor,
+                  p: torch.Tensor, q: torch.Tensor, wor: bool, eos_id: int | None) -> Verdict:
+    """`sampled_walk` (`verify_tree` when sampling) on scripted uniforms."""
+    verdict, made = sampled_walk(tree, depth, ids, p, q, wor, eos_id, u.draw(ids.shape[0]))
+    u.report(made)
+    return verdict
 
 
 def accept_prob(threshold: float) -> float:
@@ -144,14 +147,15 @@ def branches(u: ScriptedUniform, run: Callable[[], R]) -> list[Branch]:
         script = stack.pop()
         u.start(script)
         result = run()
-        assert u.calls == len(u.thresholds), "a uniform was drawn but never compared"
-        decisions = script + [False] * (len(u.thresholds) - len(script))
+        tests, thresholds = u.tests()
+        assert tests[:len(script)] == [i for i, _ in script]
+        decisions = [ok for _, ok in script] + [False] * (len(tests) - len(script))
         prob = math.prod(accept_prob(t) if d else 1.0 - accept_prob(t)
-                         for t, d in zip(u.thresholds, decisions))
-        leaves.append((prob, decisions, u.thresholds, result))
+                         for t, d in zip(thresholds, decisions))
+        leaves.append((prob, decisions, thresholds, result))
         for j in range(len(script), len(decisions)):
-            if accept_prob(u.thresholds[j]) > 0:  # accepting there has probability 0 otherwise
-                stack.append(decisions[:j] + [True])
+            if accept_prob(thresholds[j]) > 0:  # accepting there has probability 0 otherwise
+                stack.append(list(zip(tests[:j], decisions[:j])) + [(tests[j], True)])
     return leaves
 
 
@@ -181,7 +185,7 @@ def mcss_output(u: ScriptedUniform, p: torch.Tensor, q: torch.Tensor, cands: tup
     branch's tests against `reference_thresholds` and that each residual is a distribution."""
     out = torch.zeros_like(p)
     for prob, decisions, thresholds, (index, dist) in branches(
-            u, lambda: mcss(p.clone(), q.clone(), list(cands), wor, None)):
+            u, lambda: scripted_mcss(u, p.clone(), q.clone(), list(cands), wor)):
         reference = reference_thresholds(p, q, cands, wor, decisions)
         assert len(thresholds) == len(reference)
         assert all(abs(a - b) <= 1e-12 * max(1.0, b) for a, b in zip(thresholds, reference))
@@ -270,17 +274,21 @@ def test_mcss_emits_p_exactly(scripted: ScriptedUniform, case: str, v: int, k: i
         assert torch.allclose(emitted, p, atol=TOL, rtol=0), (case, seed, emitted, p)
 
 
-def removed_before_residual(p: torch.Tensor, q: torch.Tensor, cands: list[int], wor: bool,
-                            generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+def removed_before_residual(u: ScriptedUniform, p: torch.Tensor, q: torch.Tensor,
+                            cands: list[int]) -> tuple[int, torch.Tensor]:
     """A wrong `mcss` (without replacement): zeroes x in q̄ BEFORE taking the residual."""
-    q_bar = q.clone()
+    draws, made = u.draw(len(cands)), torch.full((len(cands),), math.nan, dtype=torch.float64)
+    q_bar, result = q.clone(), None
     for i, x in enumerate(cands):
-        if verify.uniform(generator) < float(p[x] / q_bar[x]):
-            return i, p
+        made[i] = p[x] / q_bar[x]
+        if draws[i] < made[i]:
+            result = i, p
+            break
         q_bar[x] = 0.0
         q_bar = q_bar / q_bar.sum()
         p = residual(p, q_bar)
-    return -1, p
+    u.report(made)
+    return result or (-1, p)
 
 
 def test_enumeration_detects_the_wrong_residual_order(scripted: ScriptedUniform) -> None:
@@ -289,14 +297,13 @@ def test_enumeration_detects_the_wrong_residual_order(scripted: ScriptedUniform)
     total = torch.zeros_like(p)
     for cands, prob in candidate_tuples(q, 2, wor=True):
         for leaf_prob, _, _, (index, dist) in branches(
-                scripted, lambda: removed_before_residual(p, q, list(cands), True, None)):
+                scripted, lambda: removed_before_residual(scripted, p, q, list(cands))):
             total += prob * leaf_prob * (one_hot(cands[index], 5) if index >= 0 else dist)
     assert abs(float(total.sum()) - 1.0) < TOL
     assert (total - p).abs().max() > 1e-3
 
 
-def test_mcss_decision_boundary_is_strict_u_below_p_over_q(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mcss_decision_boundary_is_strict_u_below_p_over_q() -> None:
     """The first candidate x is accepted for u just below min(1, p(x)/q(x)) and rejected at
     u = p(x)/q(x); u = 0 never accepts a token the target gives probability 0."""
     p, q = random_dist(5, 7, zeros=1), random_dist(5, 8)
@@ -305,9 +312,9 @@ def test_mcss_decision_boundary_is_strict_u_below_p_over_q(
         t = float(p[x] / q[x])
         cases = [(math.nextafter(min(t, 1.0), 0.0), t > 0)] + ([(t, False)] if t < 1 else [])
         for u, accepted in cases:
-            monkeypatch.setattr(verify, "uniform", lambda generator, u=u: u)
-            index, _ = mcss(p.clone(), q.clone(), [x], False, None)
-            assert (index == 0) == accepted, (x, t, u)
+            index, _, _ = mcss(p.clone(), q.clone(), [x], False,
+                               torch.tensor([u], dtype=torch.float64))
+            assert (int(index) == 0) == accepted, (x, t, u)
 
 
 def test_without_replacement_skips_candidates_that_could_not_be_drawn(
@@ -316,8 +323,8 @@ def test_without_replacement_skips_candidates_that_could_not_be_drawn(
     p = random_dist(4, 9)
     q = torch.tensor([0.6, 0.4, 0.0, 0.0], dtype=torch.float64)
     scripted.start([])
-    index, dist = mcss(p, q, [1, 1, 3, 0], True, None)
-    assert index == -1 and len(scripted.thresholds) == 2
+    index, dist = scripted_mcss(scripted, p, q, [1, 1, 3, 0], True)
+    assert index == -1 and scripted.tests()[0] == [0, 3]
     assert dist.min() >= 0 and abs(float(dist.sum()) - 1.0) < TOL
 
 
@@ -333,7 +340,7 @@ def deterministic_output(u: ScriptedUniform, p: torch.Tensor, cands: list[int],
     def run() -> tuple[int, torch.Tensor]:
         dist = p.clone()
         for i, x in enumerate(cands):
-            index, dist = mcss(dist, q_of(i), [x], True, None)
+            index, dist = scripted_mcss(u, dist, q_of(i), [x], True)
             if index == 0:
                 return x, dist
         return -1, dist
@@ -359,7 +366,8 @@ def emitted_distribution_fixed(u: ScriptedUniform, p: torch.Tensor, q: torch.Ten
                                cands: tuple[int, ...]) -> torch.Tensor:
     """Like `mcss_output` without the reference check: q need not be what `cands` came from."""
     out = torch.zeros_like(p)
-    for prob, _, _, (index, dist) in branches(u, lambda: mcss(p, q, list(cands), True, None)):
+    for prob, _, _, (index, dist) in branches(
+            u, lambda: scripted_mcss(u, p, q, list(cands), True)):
         out += prob * (one_hot(cands[index], p.shape[0]) if index >= 0 else dist)
     return out
 
@@ -393,10 +401,10 @@ def crafted_p(argmaxes: list[int | tuple[int, ...]], v: int = 6) -> torch.Tensor
 
 def greedy_walk(tree: Tree, depth: int, tokens: list[int], argmaxes: list, eos_id: int | None,
                 monkeypatch: pytest.MonkeyPatch) -> Verdict:
-    def no_uniform(generator: torch.Generator | None) -> float:
+    def no_uniform(*args: object) -> torch.Tensor:
         raise AssertionError("greedy verification draws no uniform")
 
-    monkeypatch.setattr(verify, "uniform", no_uniform)
+    monkeypatch.setattr(verify, "uniforms", no_uniform)
     n = tree.size(depth)
     q = torch.full((tree.size(depth - 1), 6), 1 / 6)  # unused when greedy
     return verify_tree(tree, depth, torch.tensor(tokens), crafted_p(argmaxes)[:n], q, GREEDY,
@@ -497,21 +505,25 @@ def first_two_tokens(verdict: Verdict, tokens: list[int], p: torch.Tensor,
     return out
 
 
+@pytest.mark.parametrize("idles", [False, True], ids=["stops", "idles"])
 @pytest.mark.parametrize("eos_id", [None, 1], ids=["no-eos", "eos"])
 @pytest.mark.parametrize("wor", [False, True], ids=["with-replacement", "without-replacement"])
 @pytest.mark.parametrize("branching", [(2, 2), (3, 1)])
 def test_depth_two_walk_emits_the_target_bigram(scripted: ScriptedUniform,
+                                                monkeypatch: pytest.MonkeyPatch,
                                                 branching: tuple[int, int], wor: bool,
-                                                eos_id: int | None) -> None:
+                                                eos_id: int | None, idles: bool) -> None:
+    """`idles`: the walk goes on through the levels left once over, as on a GPU."""
+    monkeypatch.setattr(verify, "reads_are_free", lambda device: not idles)
     v, root = 4, 0
     p, q = bigram(v, 1, zeros=1), bigram(v, 2, zeros=1)  # truncated, mostly on other tokens
-    tree, sampling = Tree(1, branching), Sampling(temperature=1.0)
+    tree = Tree(1, branching)
     joint = torch.zeros(v, v + 1, dtype=torch.float64)
     for tokens, prob in tree_candidates(tree, root, q, wor):
         ids = torch.tensor(tokens)
         p_rows, q_rows = p[ids], q[ids[: tree.size(1)]]
-        for leaf_prob, _, _, verdict in branches(scripted, lambda: verify_tree(
-                tree, 2, ids, p_rows, q_rows, sampling, wor, eos_id, None)):
+        for leaf_prob, _, _, verdict in branches(scripted, lambda: scripted_walk(
+                scripted, tree, 2, ids, p_rows, q_rows, wor, eos_id)):
             joint += prob * leaf_prob * first_two_tokens(verdict, tokens, p, eos_id)
     expected = p[root][:, None] * continuation(p, eos_id)
     assert torch.allclose(joint, expected, atol=TOL, rtol=0), (joint - expected).abs().max()
@@ -521,10 +533,10 @@ def test_sampling_walk_stops_at_an_accepted_eos(scripted: ScriptedUniform) -> No
     tree = Tree(1, (2, 2))
     p, q = bigram(4, 3), bigram(4, 4)
     ids = torch.tensor([0, 3, 1, 2, 2, 0, 1])
-    scripted.start([False, True])  # reject node 1 (token 3), accept node 2 (token 1 = EOS)
-    verdict = verify_tree(tree, 2, ids, p[ids], q[ids[:3]], Sampling(1.0), True, 1, None)
+    scripted.start([(1, False), (2, True)])  # reject node 1 (token 3), accept 2 (token 1 = EOS)
+    verdict = scripted_walk(scripted, tree, 2, ids, p[ids], q[ids[:3]], True, 1)
     assert verdict.path == [0, 2] and verdict.next_dist is None
-    assert len(scripted.thresholds) == 2  # nothing below the EOS was tested
+    assert scripted.tests()[0] == [1, 2]  # nothing below the EOS was tested
     assert verdict.labels.tolist() == [-1, 0, 1, -1, -1, -1, -1]
 
 
@@ -606,9 +618,8 @@ def dynamic_joint(scripted: ScriptedUniform, children: ScriptedChildren,
             sampling, children.wor, None)):
         ids = proposal.tokens
         shapes.add(tuple(tree.parent.tolist()))
-        for leaf_prob, _, _, verdict in branches(scripted, lambda: verify_tree(
-                tree, proposal.depth, ids, p[ids], proposal.q, sampling, children.wor, eos_id,
-                None)):
+        for leaf_prob, _, _, verdict in branches(scripted, lambda: scripted_walk(
+                scripted, tree, proposal.depth, ids, p[ids], proposal.q, children.wor, eos_id)):
             joint += prob * leaf_prob * first_two_tokens(verdict, ids.tolist(), p, eos_id)
     return joint, p[root][:, None] * continuation(p, eos_id), shapes
 
