@@ -223,8 +223,7 @@ class KVModel:
     def reset(self) -> None:
         """Empty the cache (its buffers stay allocated)."""
         self.cache.reset()
-        if self.captured is not None:
-            self.cursor.zero_()
+        self._follow_length()
 
     @torch.inference_mode()
     def reserve(self, tokens: int) -> None:
@@ -298,8 +297,7 @@ class KVModel:
             **{self._cache_kw: self.cache},
             **extra,
         )
-        if self.captured is not None:
-            self.cursor.fill_(self.length)
+        self._follow_length()
         return out
 
     def _captured_forward(self, ids: torch.Tensor, positions: torch.Tensor,
@@ -327,7 +325,7 @@ class KVModel:
                             **{self._cache_kw: self.cache}, **extra)
         for layer in self.cache.layers:
             layer._set_length(start + n)
-        self.cursor.fill_(start + n)
+        self._follow_length()
         hidden = None
         if hidden_states:
             hidden = tuple(None if h is None else h[:, :n].clone() for h in out.hidden_states)
@@ -374,6 +372,10 @@ class KVModel:
         nodes = nodes.to(self.device)
         for layer in self.cache.layers:
             layer.retain(committed, nodes)
+        self._follow_length()
+
+    def _follow_length(self) -> None:
+        """Once captured, set the device cursor (where a captured call writes) to the length."""
         if self.captured is not None:
             self.cursor.fill_(self.length)
 
