@@ -10,6 +10,7 @@ with its paired 95% bootstrap interval over prompts); `setup`, `latency` and `ta
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -307,13 +308,37 @@ def table(metrics: dict) -> str:
     return "\n".join(rows)
 
 
-def update_readme(readme: Path, metrics: dict) -> None:
+def stages_markdown(records: dict[str, dict]) -> str:
+    """Minutes per stage of the run that wrote `records` (metrics/stages/*.json), what each
+    achieved and the machine, for the README: figures from other CPUs are never mixed in."""
+    if not records:
+        return ""
+    machines = {json.dumps(r["machine"], sort_keys=True) for r in records.values()}
+    first = next(iter(records.values()))["machine"]
+    total = sum(r["seconds"] for r in records.values()) / 60
+    rows = ["", f"Stage times of this run: {first['cpu']}, {first['cores']} cores, CPU flags "
+            f"{', '.join(first['cpu_flags']) or 'none of avx2/avx512'}"
+            + (f", GPU {first['gpu']}" if first["gpu"] else "")
+            + ("" if len(machines) == 1 else " (the stages ran on more than one machine)")
+            + f"; {total:.1f} minutes in all (the venv install aside).", "",
+            "| stage | minutes | achieved |", "|---|---|---|"]
+    for name, r in records.items():
+        done = ", ".join(f"{k} {_short(v)}" for k, v in r["achieved"].items())
+        rows.append(f"| {name} | {r['seconds'] / 60:.1f} | {done} |")
+    return "\n".join(rows) + "\n"
+
+
+def _short(value) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def update_readme(readme: Path, metrics: dict, stages: dict[str, dict] | None = None) -> None:
     """Replace the README's results section (between README_START and README_END) with the
-    table of `metrics` (bench.json)."""
+    table of `metrics` (bench.json) and the stage times `stages` (metrics/stages/*.json)."""
     text = readme.read_text()
     if text.count(README_START) != 1 or text.count(README_END) != 1:
         raise SpecstopError(f"{readme}: expected one '{README_START}' and one '{README_END}' line")
     head, rest = text.split(README_START)
     _, tail = rest.split(README_END)
-    body = f"{README_START}\n{markdown(metrics)}{README_END}"
+    body = f"{README_START}\n{markdown(metrics)}{stages_markdown(stages or {})}{README_END}"
     write_atomic(readme, lambda tmp: tmp.write_text(head + body + tail))

@@ -10,5 +10,6 @@ COLLECT = Path("data/collect")
 TRAIN = Path("data/train")
 EXPORT = Path("data/export")
 METRICS = Path("metrics")
+STAGE_METRICS = METRICS / "stages"  # <stage>.json: wall seconds, what it achieved, the machine
 DEFAULT_DRAFT = "layers:2"  # the target's first two layers: needs no draft stage
 TRUNCATED_PREFIX = "layers:"  # `layers:N`, a draft made of the target's first N layers

@@ -46,8 +46,9 @@ from .store import read_meta, save_draft
 STALE = "stale"  # corpora and drafts made with other settings are moved here, never deleted
 
 
-def run(cfg: DraftConfig, models: ModelsConfig, tracking: TrackingStore) -> None:
-    """The whole sweep: corpora, each draft distilled (or resumed), measured, the best published."""
+def run(cfg: DraftConfig, models: ModelsConfig, tracking: TrackingStore) -> dict:
+    """The whole sweep: corpora, each draft distilled (or resumed), measured, the best published;
+    returns what it achieved (corpus tokens, drafts, the winner's alpha and speedup)."""
     out, seed = cfg.out, cfg.seed
     device = resolve_device(models.device)
     dtype = resolve_dtype(models.dtype, device)
@@ -81,18 +82,23 @@ def run(cfg: DraftConfig, models: ModelsConfig, tracking: TrackingStore) -> None
     _publish(out / "sweep" / winner, out / "default")
     best = results[winner]
     warning = _useless_draft_warning(best, train_config.precision)
+    corpus = _corpus_summary(out / "corpus")
     write_json(cfg.metrics,
                {"alpha": best["alpha"], "alpha_by_domain": best["alpha_by_domain"],
                 "train_alpha": best["train_alpha"], "c": best["c"], "default": winner,
                 "sd_speedup": best["measured_speedup"], "sd_acceptance": best["sd_acceptance"],
                 "sd_acceptance_by_level": best["sd_acceptance_by_level"],
-                "gamma": best["best_gamma"], "corpus": _corpus_summary(out / "corpus"),
+                "gamma": best["best_gamma"], "corpus": corpus,
                 "precision": train_config.precision, "dtype": best["dtype"],
                 "cpu_native_bf16": cpu_has_bf16(), "warning": warning, "drafts": results})
     _write_plots(cfg.plots, results, out / "sweep")
     print(_table(results, winner))
     if warning:
         print(f"specstop: warning: {warning}", file=sys.stderr)
+    return {"corpus_response_tokens": sum(c["response_tokens"] for c in corpus.values()),
+            "drafts": len(results),
+            "tokens_seen": sum(r["tokens_seen"] or 0 for r in results.values()),
+            "winner": winner, "alpha": best["alpha"], "sd_speedup": best["measured_speedup"]}
 
 
 def _useless_draft_warning(best: dict, precision: str) -> str | None:
@@ -260,6 +266,7 @@ def _measure(spec: DraftSpec, folder: Path, cfg: DraftConfig, models: ModelsConf
             "identical_to_ar": f"{best.identical_to_ar}/{len(prompts)}",
             "ar_tokens_per_s": ar, "sd_tokens_per_s": best.stats.tokens_per_s,
             "train_seconds": curve[-1]["train_seconds"] if curve else None,
+            "tokens_seen": int(curve[-1]["tokens_seen"]) if curve else None,
             "dtype": str(runtime.target.dtype).removeprefix("torch.")}
 
 

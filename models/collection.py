@@ -80,11 +80,11 @@ def _prompt_seed(seed: int, prompt_id: str) -> int:
 
 def collect(runtime: Runtime, parts: list[Part], config: DecodeConfig, collect: CollectConfig,
             models: ModelsConfig, rank: int = 0, world: int = 1,
-            verify_widths: tuple[int, ...] = ()) -> None:
+            verify_widths: tuple[int, ...] = ()) -> dict | None:
     """Decode this process's share of `parts` not written yet; rank 0 sets aside parts logged
     under other settings first and, at the end, measures the cost model (target passes at the
     tree's sizes and `verify_widths`, draft steps up to DYNAMIC_STEP_WIDTHS nodes) and writes
-    the summary."""
+    the summary, which it returns (the other ranks return None)."""
     out = collect.out
     if rank == 0:
         resume_or_set_aside(out / "parts", _fingerprint(collect, models), out / STALE,
@@ -111,7 +111,10 @@ def collect(runtime: Runtime, parts: list[Part], config: DecodeConfig, collect: 
                               verify_widths=verify_widths, step_widths=DYNAMIC_STEP_WIDTHS)
         torch.set_num_threads(threads)
         write_json(out / "costs.json", table)
-        write_json(collect.summary, _summary(out, parts, elapsed, world))
+        summary = _summary(out, parts, elapsed, world)
+        write_json(collect.summary, summary)
+        return summary
+    return None
 
 
 def _fingerprint(collect: CollectConfig, models: ModelsConfig) -> dict:

@@ -17,6 +17,7 @@ from specstop.decoder.loop import DecodeConfig
 
 from .decode_args import with_flags
 from .params import DEFAULT_PARAMS, checked_params, read_params_file
+from .stage_record import read_records, timed_stage
 
 
 STAGES = {  # DVC stages, in pipeline order; each is the module pipeline/<name>.py
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         raw = read_params_file(path, required=args.params is not None)
         params = checked_params(raw, path)  # the whole file, before any work
         if args.command in STAGES:  # each stage is the module of its name: run(params)
-            importlib.import_module(f".{args.command}", __package__).run(params)
+            stage = importlib.import_module(f".{args.command}", __package__)
+            timed_stage(args.command, lambda: stage.run(params))
         elif args.command == "generate":
             _generate(args, with_flags(params, args, str(path)))
         elif args.command == "workspace":
@@ -154,7 +156,7 @@ def _results(args: argparse.Namespace, params: Params) -> None:
         raise SpecstopError(f"{path}: no `summary` block (written by an older bench; re-run it)")
     if not args.readme.is_file():
         raise SpecstopError(f"{args.readme}: not found (give --readme)")
-    update_readme(args.readme, metrics)
+    update_readme(args.readme, metrics, read_records())
     print(f"{args.readme}: results section rewritten from {path}")
 
 

@@ -7,7 +7,7 @@ from specstop.drafts.loading import load_runtime, require_draft
 from specstop.models import collection
 
 
-def run(params: Params) -> None:
+def run(params: Params) -> dict | None:
     collect, models = params.collect, params.models
     rank, world = collection.init_distributed()
     config = decode_config(collect, collect.method)
@@ -18,5 +18,5 @@ def run(params: Params) -> None:
                            collection.process_device(models.device),
                            models.target_cache,  # every check before the logs are touched
                            cpu_kernel=models.cpu_kernel, compile=models.compile)
-    collection.collect(runtime, parts, config, collect, models, rank, world,
+    return collection.collect(runtime, parts, config, collect, models, rank, world,
                        tuple(params.costs.widths))

@@ -4,5 +4,5 @@ from specstop.common.params import Params
 from specstop.drafts import sweep
 
 
-def run(params: Params) -> None:
-    sweep.run(params.draft, params.models, params.mlflow.store("draft"))
+def run(params: Params) -> dict:
+    return sweep.run(params.draft, params.models, params.mlflow.store("draft"))

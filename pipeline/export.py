@@ -9,7 +9,7 @@ from specstop.common.params import Params
 from specstop.models.export import WINNER_FILE, export
 
 
-def run(params: Params) -> None:
+def run(params: Params) -> dict:
     config = params.export
     start = time.perf_counter()
     metrics = export(config, params.mlflow.store("train"))
@@ -17,6 +17,7 @@ def run(params: Params) -> None:
     print(f"export: {time.perf_counter() - start:.0f} s; {config.out / WINNER_FILE} "
           f"({metrics['winner']}), registered as {metrics['registered_model']} version "
           f"{metrics['model_version']}; metrics in {config.metrics}")
+    return {"families": len(metrics["families"]), "winner": metrics["winner"]}
 
 
 def table(metrics: dict) -> str:

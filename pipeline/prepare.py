@@ -9,7 +9,7 @@ from specstop.decoder.kv import KVModel, captures
 from specstop.decoder.load import convert_embedded, load_model, resolve_device, resolve_dtype
 
 
-def run(params: Params) -> None:
+def run(params: Params) -> dict:
     models, costs = params.models, params.costs
     if models.target == "embedded":
         convert_embedded(models.target_cache)
@@ -24,3 +24,5 @@ def run(params: Params) -> None:
     table.save(costs.path)
     print(f"{table.dtype} on {table.device} ({table.kernel}): "
           + " ".join(f"v({n})={table.ratio(n):.2f}" for n in sorted(table.seconds)))
+    return {"widths": len(table.seconds), "repeats": costs.repeats,
+            "step_ms": round(1000 * table.seconds[1], 2), "dtype": table.dtype}

@@ -17,9 +17,9 @@ from specstop.prompts.self_written import Sample, Writer
 from specstop.prompts.sources import Sampling
 
 
-def run(params: Params) -> None:
+def run(params: Params) -> dict:
     tokenizer = load_tokenizer(params.models.target, params.models.target_cache)
-    build_prompts(params.prompts, lambda request: chat_text(tokenizer, request),
+    return build_prompts(params.prompts, lambda request: chat_text(tokenizer, request),
                   target_writer(params.models))
 
 

@@ -15,7 +15,7 @@ COLUMNS = ["auc", "log_loss", "brier", "calibration_error", "simulated_speedup",
 SECTIONS = ("oracle", "targets", "replay", "sanity_floor", "ablation")  # not one entry each
 
 
-def run(params: Params) -> None:
+def run(params: Params) -> dict:
     config = params.train
     start = time.perf_counter()
     try:
@@ -25,6 +25,8 @@ def run(params: Params) -> None:
     print(table(report))
     print(f"train: {time.perf_counter() - start:.0f} s; metrics in {config.metrics}, "
           f"models in {config.out}")
+    return {"families": len(config.families), "val_rows": int(report.bench.X.shape[0]),
+            "val_labelled": int(report.bench.y_labelled.shape[0]), "winner": report.winner}
 
 
 def table(report: Report) -> str:

@@ -16,9 +16,10 @@ from .splits import (SPLITS, Prompt, check_fractions, interleave, split_prompts,
 
 
 def build_prompts(config: PromptsConfig, render: Callable[[str], str],
-                  writer: Writer | None = None) -> None:
+                  writer: Writer | None = None) -> dict[str, int]:
     """Write `config.out`/{train,val,test}.parquet; `render` turns a request into the text the
-    target reads (its chat template), `writer` (the target) writes a magpie source's requests."""
+    target reads (its chat template), `writer` (the target) writes a magpie source's requests.
+    Returns the number of prompts, in all and per split."""
     specs = parse_sources(config.sources)
     fractions = check_fractions(config.fractions)
     sources = [_read(spec, config, writer) for spec in specs]
@@ -34,6 +35,7 @@ def build_prompts(config: PromptsConfig, render: Callable[[str], str],
         print(_source_line(name, counts))
     total = ", ".join(f"{split} {n}" for split, n in summary["splits"].items())
     print(f"{len(chosen)} prompts ({total}) -> {config.out}")
+    return {"prompts": len(chosen), **summary["splits"]}
 
 
 def _interleaved(prompts: list[Prompt]) -> list[Prompt]:
