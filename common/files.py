@@ -1,6 +1,8 @@
 """Atomic file writes: a temp file in the same folder, then a rename, so readers and resumed
 runs never see a partial file; a killed writer's temp file is removed when its run resumes.
-Work made with other settings is set aside (moved under a `stale/` folder), never deleted."""
+Work made with other settings is set aside (moved under a `stale/` folder), never deleted.
+Also the checks before a stage's work: an input that must be a file, an output that must be
+writable, and a lock on an output folder that one run at a time writes."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from .errors import SpecstopError
 
@@ -105,3 +109,70 @@ def require(path: Path, stage: str) -> Path:
         raise SpecstopError(f"{path}: not found (run `specstop {stage}` or `dvc repro {stage}` "
                             f"first)")
     return Path(path)
+
+
+def check_file(path: Path, missing: str) -> Path:
+    """`path` where it is a file; the error `missing` where it is absent, and one saying so
+    where it is a directory."""
+    path = Path(path)
+    if path.is_dir():
+        raise SpecstopError(f"{path}: is a directory, not a file")
+    if not path.is_file():
+        raise SpecstopError(missing)
+    return path
+
+
+def read_json(path: Path, stage: str) -> dict:
+    """The JSON object in `path`, which stage `stage` writes; one line where it is missing, a
+    directory, not JSON or not an object."""
+    check_file(require(path, stage), f"{path}: not found")
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:  # ValueError: bad JSON or UTF-8
+        raise SpecstopError(f"{path}: not valid JSON ({err}); re-run `specstop {stage}`") from err
+    if not isinstance(value, dict):
+        raise SpecstopError(f"{path}: not a JSON object; re-run `specstop {stage}`")
+    return value
+
+
+def check_writable(path: Path, key: str, folder: bool = False) -> None:
+    """Refuse, before any work, an output `path` (a file, or a folder with `folder`) that cannot
+    be written: a directory where a file goes, a file where a folder goes, or a nearest existing
+    folder that takes no new file.  `key` names the setting that chose the path."""
+    path = Path(path)
+    if path.is_dir() != folder and path.exists():
+        kind = "a directory, not a file" if path.is_dir() else "a file, not a folder"
+        raise SpecstopError(f"{path}: is {kind} ({key})")
+    existing = path if folder else path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise SpecstopError(f"{path}: cannot be created, {existing} is a file ({key})")
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as err:
+        raise SpecstopError(f"{path}: cannot be written, {existing} takes no new file "
+                            f"({err.strerror or err}; {key})") from err
+
+
+LOCK_FILE = ".lock"  # in an output folder while a run writes it
+
+
+@contextmanager
+def folder_lock(folder: Path, stage: str) -> Iterator[None]:
+    """Hold `folder/.lock` for the block, so that a second run writing `folder` (another shell,
+    another torchrun) fails at once, naming the folder, instead of writing beside this one."""
+    from filelock import FileLock, Timeout
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(folder / LOCK_FILE, timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise SpecstopError(f"{folder}: another `specstop {stage}` run is writing this folder "
+                            f"(wait for it to end, or stop it)") from None
+    try:
+        yield
+    finally:
+        lock.release()

@@ -23,6 +23,7 @@ from transformers.utils import logging as hf_logging
 
 from specstop.common import paths
 from specstop.common.errors import SpecstopError, first_line
+from specstop.common.files import check_writable
 
 from .model_files import (CONFIG, LOAD_ERRORS, SAFETENSORS, check_model_folder,
                           check_tokenizer_files, hub_kwargs, looks_like_path)
@@ -99,13 +100,37 @@ def embedded_gguf() -> Path:
 
 
 def convert_embedded(cache_dir: Path = DEFAULT_CACHE) -> Path:
-    """De-quantise the embedded GGUF once into a safetensors folder (atomically); return it."""
+    """De-quantise the embedded GGUF once into `cache_dir` and return it.  The model is written
+    into a fresh folder beside `cache_dir`, then moved in whole; `cache_dir` must be new or
+    empty: a folder holding anything but a converted model is refused, never deleted."""
     cache_dir = Path(cache_dir)
     if (cache_dir / SAFETENSORS).is_file():
         return cache_dir
+    if cache_dir.is_dir() and any(cache_dir.iterdir()):
+        raise SpecstopError(f"{cache_dir}: holds other files, not a converted model (no "
+                            f"{SAFETENSORS}); set models.cache_dir to a new or empty folder")
+    check_writable(cache_dir, "models.cache_dir", folder=True)  # not a file
+    check_writable(cache_dir.parent, "models.cache_dir", folder=True)  # where it is written
     gguf = embedded_gguf()
     print(f"specstop: converting the embedded target into {cache_dir.resolve()} "
           f"(once, ~0.5 GB)", file=sys.stderr)
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cache_dir.name}-", dir=cache_dir.parent))
+    try:
+        _save_dequantised(gguf, tmp)
+        os.replace(tmp, cache_dir)  # over an empty folder at most: a full one makes it fail
+    except OSError as err:
+        if (cache_dir / SAFETENSORS).is_file():
+            return cache_dir  # another process converted it first
+        raise SpecstopError(f"{cache_dir}: cannot write the converted model "
+                            f"({err.strerror or err})") from err
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # this call's own folder, where the move failed
+    return cache_dir
+
+
+def _save_dequantised(gguf: Path, folder: Path) -> None:
+    """The GGUF model de-quantised to float32 and its tokenizer, saved into `folder`."""
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                      dtype=torch.float32)
@@ -114,17 +139,8 @@ def convert_embedded(cache_dir: Path = DEFAULT_CACHE) -> Path:
         del config.quantization_config  # transformers refuses to save a GGUF-loaded model
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantised.state_dict())
-    cache_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache_dir.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if cache_dir.exists():
-            shutil.rmtree(cache_dir)
-        os.replace(tmp, cache_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return cache_dir
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def _locate(source: str, cache_dir: Path,
@@ -178,13 +194,20 @@ def _errors_only() -> Iterator[None]:
         hf_logging.set_verbosity(level)
 
 
+LOADING_PROBLEMS = {  # the loading report's lists that make a model other than its files
+    "missing_keys": "of its tensors missing",  # randomly initialised
+    "mismatched_keys": "of its tensors of another shape",  # randomly initialised
+    "unexpected_keys": "weight tensors it has no place for",  # e.g. fewer layers than weights
+}
+
+
 def _check_loading_info(info: dict, shown: str) -> None:
-    """Refuse weights that left tensors missing or of another shape (randomly initialised)."""
-    for key, what in (("missing_keys", "missing"), ("mismatched_keys", "of another shape")):
+    """Refuse weights that left tensors missing or of another shape, or that were not used."""
+    for key, what in LOADING_PROBLEMS.items():
         names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
         if names:
-            raise SpecstopError(f"{shown}: the weights do not match {CONFIG} ({len(names)} of "
-                                f"its tensors {what}, e.g. '{names[0]}')")
+            raise SpecstopError(f"{shown}: the weights do not match {CONFIG} ({len(names)} "
+                                f"{what}, e.g. '{names[0]}')")
 
 
 def load_tokenizer(source: str, cache_dir: Path = DEFAULT_CACHE) -> PreTrainedTokenizerBase:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from specstop.common.errors import SpecstopError, first_line
+from specstop.common.files import check_file
 from specstop.features import FEATURES, SCHEMA_VERSION
 
 from .policy import DEPTH, continues, cost_aware_score
@@ -34,9 +35,7 @@ RULES = ("threshold", "cost_aware")
 
 def read_stop_model(path: Path) -> tuple[torch.jit.ScriptModule, dict]:
     """(module, metadata) of an exported file; a SpecstopError names the file and the problem."""
-    path = Path(path)
-    if not path.is_file():
-        raise SpecstopError(f"stop model not found: {path}")
+    path = check_file(path, f"stop model not found: {path}")
     extra = {STOP_MODEL_META: ""}
     try:
         module = torch.jit.load(str(path), map_location="cpu", _extra_files=extra)

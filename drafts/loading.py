@@ -98,7 +98,8 @@ def _load_drafter(draft: str, target: LoadedModel, dtype: torch.dtype, device: t
     if meta is not None and meta["family"] == "feature":
         head = load_feature_head(Path(draft), target.model, meta)
         return FeatureDrafter(KVModel(head.model, vocab_size=vocab, vocab_ids=head.vocab_ids))
-    model, ids = _load_plain(draft, target.tokenizer, target.source, dtype, device, cache_dir)
+    model, ids = _load_plain(draft, target.tokenizer, vocab, target.source, dtype, device,
+                             cache_dir)
     return _model_drafter(model, ids, vocab)
 
 
@@ -109,16 +110,20 @@ def _model_drafter(model: torch.nn.Module, ids: torch.Tensor | None,
                                 vocab_size=vocab, vocab_ids=ids))
 
 
-def _load_plain(draft: str, tokenizer, target_name: str, dtype: torch.dtype,
+def _load_plain(draft: str, tokenizer, vocab: int, target_name: str, dtype: torch.dtype,
                 device: torch.device, cache_dir: Path) -> tuple[torch.nn.Module,
                                                                 torch.Tensor | None]:
-    """A plain causal-LM draft with the target's tokenizer, and its pruned vocabulary (None:
-    the full one) from the folder's draft metadata."""
+    """A plain causal-LM draft with the target's tokenizer and at least its `vocab` rows, and
+    its pruned vocabulary (None: the full one) from the folder's draft metadata."""
     meta = read_meta(Path(draft)) if Path(draft).is_dir() else None
     other = load_model(draft, dtype, device, cache_dir)
     check_same_tokenizer(tokenizer, other.tokenizer, target_name, draft)
     ids = None if meta is None or meta["vocab_ids"] is None else torch.tensor(meta["vocab_ids"])
     rows = other.model.config.vocab_size
+    if rows < vocab:
+        raise SpecstopError(f"draft '{draft}': a vocabulary of {rows} tokens, smaller than the "
+                            f"target's {vocab} (config.json vocab_size); the draft must read "
+                            f"every token the target writes")
     if ids is not None and int(ids.max()) >= rows:
         raise SpecstopError(f"{Path(draft) / DRAFT_META_FILE}: vocab_ids name token {int(ids.max())}, "
                             f"beyond the draft's vocabulary of {rows}")
@@ -133,7 +138,7 @@ def plain_drafter(draft: str, runtime: Runtime, cache_dir: Path) -> ModelDrafter
     if draft.startswith(TRUNCATED_PREFIX):
         model, ids = truncated_draft(target.model, _layers(draft)), None
     else:
-        model, ids = _load_plain(draft, runtime.tokenizer, "target", target.dtype,
+        model, ids = _load_plain(draft, runtime.tokenizer, vocab, "target", target.dtype,
                                  target.device, cache_dir)
     drafter = _model_drafter(model, ids, vocab)
     pack_linears(drafter.lm.model, kernel_of(target.model))  # the target's kernel
@@ -149,8 +154,8 @@ def plain_assistant(draft: str, runtime: Runtime, cache_dir: Path) -> torch.nn.M
     if draft.startswith(TRUNCATED_PREFIX):
         model = truncated_draft(target.model, _layers(draft))
     else:
-        model, ids = _load_plain(draft, runtime.tokenizer, "target", target.dtype,
-                                 target.device, cache_dir)
+        model, ids = _load_plain(draft, runtime.tokenizer, target.model.config.vocab_size,
+                                 "target", target.dtype, target.device, cache_dir)
         model = model if ids is None else mask_vocabulary(model, ids)
     return pack_linears(model, kernel_of(target.model))  # the target's kernel
 

@@ -17,10 +17,14 @@ from specstop.prompts.self_written import Sample, Writer
 from specstop.prompts.sources import Sampling
 
 
+READERS = {"train": "stage draft", "val": "stage draft",  # each split's first reader (then
+           "test": "stage bench"}  # collect reads those of `collect.splits`)
+
+
 def run(params: Params) -> dict:
     tokenizer = load_tokenizer(params.models.target, params.models.target_cache)
     return build_prompts(params.prompts, lambda request: chat_text(tokenizer, request),
-                  target_writer(params.models))
+                         target_writer(params.models), READERS)
 
 
 def target_writer(models: ModelsConfig) -> Writer:

@@ -4,6 +4,7 @@ interleaved) and a summary."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable
 
 from specstop.common.errors import SpecstopError
@@ -16,14 +17,17 @@ from .splits import (SPLITS, Prompt, check_fractions, interleave, split_prompts,
 
 
 def build_prompts(config: PromptsConfig, render: Callable[[str], str],
-                  writer: Writer | None = None) -> dict[str, int]:
+                  writer: Writer | None = None,
+                  readers: dict[str, str] | None = None) -> dict[str, int]:
     """Write `config.out`/{train,val,test}.parquet; `render` turns a request into the text the
-    target reads (its chat template), `writer` (the target) writes a magpie source's requests.
-    Returns the number of prompts, in all and per split."""
+    target reads (its chat template), `writer` (the target) writes a magpie source's requests;
+    a split in `readers` (split -> who reads it) must not be empty.  Returns the number of
+    prompts, in all and per split."""
     specs = parse_sources(config.sources)
     fractions = check_fractions(config.fractions)
     sources = [_read(spec, config, writer) for spec in specs]
     chosen = split_prompts(sources, fractions, config.seed)
+    _check_not_empty(chosen, readers or {})
     for split in SPLITS:
         write_split([{"prompt_id": p.prompt_id, "source": p.source, "request": p.request,
                       "text": render(p.request), "split": split}
@@ -36,6 +40,16 @@ def build_prompts(config: PromptsConfig, render: Callable[[str], str],
     total = ", ".join(f"{split} {n}" for split, n in summary["splits"].items())
     print(f"{len(chosen)} prompts ({total}) -> {config.out}")
     return {"prompts": len(chosen), **summary["splits"]}
+
+
+def _check_not_empty(chosen: list[Prompt], readers: dict[str, str]) -> None:
+    """Refuse, before any split is written, an empty split that a reader needs."""
+    counts = Counter(p.split for p in chosen)
+    for split, reader in readers.items():
+        if not counts[split]:
+            raise SpecstopError(f"prompts: the {split} split would be empty ({len(chosen)} "
+                                f"distinct prompts in all, cut by prompts.fractions) and "
+                                f"{reader} reads it; add prompts to prompts.sources")
 
 
 def _interleaved(prompts: list[Prompt]) -> list[Prompt]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from specstop.common.errors import SpecstopError, first_line
+from specstop.common.files import check_file
 
 MAGPIE = "magpie"  # requests the target writes from its chat template's user-turn prefix
 EMBEDDED = ("humaneval", MAGPIE)
@@ -237,14 +238,13 @@ def _file(spec: SourceSpec, skipped: Counter) -> Iterable[Any]:
     if path.suffix not in FILE_TYPES:
         raise SpecstopError(f"{spec.describe()}: unsupported file type '{path.suffix}' "
                             f"(use {', '.join(FILE_TYPES)}, or a `dataset:` loader)")
-    if not path.is_file():
-        raise SpecstopError(f"{spec.describe()}: not found")
+    check_file(path, f"{spec.describe()}: not found")
     try:
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
 
             return pq.read_table(path).to_pylist()
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is not JSON
         if path.suffix == ".jsonl":
             return _jsonl(text, skipped)
         records = json.loads(text)

@@ -63,6 +63,14 @@ def test_local_file_bad_rows_are_counted(tmp_path: Path, suffix: str):
     assert dict(read.skipped) == reasons
 
 
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_a_byte_order_mark_keeps_the_first_row(tmp_path: Path, suffix: str):
+    path = write_records(tmp_path / f"qs{suffix}", GOOD)
+    path.write_text(path.read_text(), encoding="utf-8-sig")  # as Windows editors save it
+    read = source({"path": str(path), "field": "q"})
+    assert read.requests == [r["q"] for r in GOOD] and not read.skipped
+
+
 def test_json_non_objects_and_jsonl_bad_lines_are_counted(tmp_path: Path):
     json_file = write_records(tmp_path / "a.json", [*GOOD, "just a string", [1]])
     assert source({"path": str(json_file), "field": "q"}).skipped == {"not an object": 2}

@@ -19,13 +19,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specstop.common.errors import SpecstopError
-from specstop.decoder import model_files
+from specstop.decoder import load, model_files
 from specstop.decoder.costs import VerifyCosts
 from specstop.decoder.loop import DecodeConfig
 from specstop.drafts.families import build_feature_head
 from specstop.drafts.store import (DRAFT_META_FILE, HEAD_WEIGHTS, load_feature_head, read_meta,
                                    save_draft)
-from specstop.decoder.load import load_model, load_tokenizer
+from specstop.decoder.load import convert_embedded, load_model, load_tokenizer
 from specstop.decoder.runtime import check_utf8
 from specstop.drafts.loading import load_runtime
 from specstop.decoder.stop_model import load_stop_model
@@ -80,6 +80,13 @@ def _remove(*names: str) -> Callable[[Path], None]:
     return lambda folder: [(folder / n).unlink() for n in names]
 
 
+def _edit_config(**changes: object) -> Callable[[Path], None]:
+    def edit(folder: Path) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return edit
+
+
 def _empty(folder: Path) -> None:
     for path in folder.iterdir():
         path.unlink()
@@ -107,6 +114,9 @@ MODEL_FOLDERS: dict[str, tuple[Callable[[Path], None], str]] = {
     "tensor-of-another-shape": (
         _rewrite_weights(lambda s: s.update({"model.norm.weight": torch.ones(3)})),
         "{f}: the weights do not match config.json (1 of its tensors of another shape"),
+    "config-with-fewer-layers": (
+        _edit_config(num_hidden_layers=1), "{f}: the weights do not match config.json (9 "
+        "weight tensors it has no place for, e.g. 'model.layers.1.input_layernorm.weight')"),
 }
 
 
@@ -126,6 +136,76 @@ def test_a_tokenizer_only_needs_tokenizer_files(model_copy: Path):
     with pytest.raises(SpecstopError) as err:
         load_tokenizer(str(model_copy))
     one_line(err, f"{model_copy}: no tokenizer")
+
+
+# --- the embedded target's cache folder ---------------------------------------------------------
+
+@pytest.fixture
+def fake_conversion(monkeypatch: pytest.MonkeyPatch) -> list[Callable[[Path], None]]:
+    """convert_embedded with a conversion that writes a stand-in weights file; what is
+    appended to the returned list runs after it, as another process would meanwhile."""
+    meanwhile: list[Callable[[Path], None]] = []
+
+    def save(gguf: Path, folder: Path) -> None:
+        (folder / WEIGHTS).write_bytes(b"converted")
+        for action in meanwhile:
+            action(folder)
+
+    monkeypatch.setattr(load, "embedded_gguf", lambda: Path("model.gguf"))
+    monkeypatch.setattr(load, "_save_dequantised", save)
+    return meanwhile
+
+
+@pytest.mark.parametrize("case", ["absent", "empty"])
+def test_the_embedded_target_is_moved_into_a_new_or_empty_folder(tmp_path: Path, case: str,
+                                                                 fake_conversion):
+    cache = tmp_path / "models" / "target"
+    if case == "empty":
+        cache.mkdir(parents=True)
+    assert convert_embedded(cache) == cache
+    assert (cache / WEIGHTS).read_bytes() == b"converted"
+    assert [p.name for p in cache.parent.iterdir()] == ["target"]  # no temp folder left
+    assert convert_embedded(cache) == cache  # converted once
+
+
+def test_a_cache_folder_holding_other_files_is_refused_and_kept(tmp_path: Path, fake_conversion):
+    data = tmp_path / "data"
+    (data / "collect").mkdir(parents=True)
+    (data / "collect" / "part.parquet").write_bytes(b"hours of decoding")
+    with pytest.raises(SpecstopError) as err:
+        convert_embedded(data)
+    one_line(err, f"{data}: holds other files, not a converted model (no {WEIGHTS}); set "
+                  f"models.cache_dir to a new or empty folder")
+    assert (data / "collect" / "part.parquet").read_bytes() == b"hours of decoding"
+    assert [p.name for p in tmp_path.iterdir()] == ["data"]
+
+
+@pytest.mark.parametrize("case", ["converted-too", "other-files"])
+def test_a_cache_folder_filled_during_the_conversion_is_kept(tmp_path: Path, case: str,
+                                                              fake_conversion):
+    cache = tmp_path / "target"
+
+    def fill(folder: Path) -> None:  # another process, while this one converts
+        cache.mkdir()
+        (cache / (WEIGHTS if case == "converted-too" else "notes.txt")).write_bytes(b"theirs")
+
+    fake_conversion.append(fill)
+    if case == "converted-too":
+        assert convert_embedded(cache) == cache
+    else:
+        with pytest.raises(SpecstopError) as err:
+            convert_embedded(cache)
+        one_line(err, f"{cache}: cannot write the converted model")
+    assert [p.name for p in cache.iterdir()] == [WEIGHTS if case == "converted-too"
+                                                 else "notes.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["target"]  # no temp folder left
+
+
+def test_a_cache_dir_that_is_a_file_is_refused(tmp_path: Path, fake_conversion):
+    (tmp_path / "target").write_text("a file")
+    with pytest.raises(SpecstopError) as err:
+        convert_embedded(tmp_path / "target")
+    one_line(err, f"{tmp_path / 'target'}: is a file, not a folder (models.cache_dir)")
 
 
 # --- model names -------------------------------------------------------------------------------
