@@ -20,15 +20,15 @@ draft stage measured best (`metrics/draft.json`), `sd-compact` that draft's own 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specstop.common.errors import SpecstopError
-from specstop.common.files import require
-from specstop.common.params import BenchConfig, CollectConfig, CostsConfig, ModelsConfig
+from specstop.common.files import read_json, require
+from specstop.common.params import (BENCH_METHODS, STOP_FAMILIES, BenchConfig, CollectConfig,
+                                    CostsConfig, ModelsConfig)
 from specstop.decoder.costs import measure_verify_costs
 from specstop.decoder.loop import DecodeConfig
 from specstop.decoder.policy import ConfidenceThreshold, ConfidenceTree, FixedDepth
@@ -137,10 +137,10 @@ def _peer_setup(plan: Plan, peers: Peers | None, lookup_tokens: int) -> dict:
 
 
 def _check_method_names(config: BenchConfig, plan: Plan) -> None:
-    known = ["ar", "ar-aa", "sd", SAME_DRAFT_SD, "mcsd", "ti-mcsd", "ti-mcsd+confidence",
-             *[f"ti-mcsd+{f}" for f in plan.families], "ti-mcsd+stop_model", "static-tree",
-             "tree+confidence", *[f"tree+{f}" for f in plan.families], "tree+stop_model",
-             "ti-mcsd-lossy", "hf-assisted", "hf-assisted-static", "hf-prompt-lookup"]
+    """The schema knows every name (BENCH_METHODS); here a family's must name an exported one
+    beside the winner (the winner's is `+stop_model`)."""
+    known = [m for m in BENCH_METHODS
+             if m.partition("+")[2] not in STOP_FAMILIES or m.partition("+")[2] in plan.families]
     for key in ("methods", "sampling_methods"):
         unknown = [name for name in getattr(config, key) or () if name not in known]
         if unknown:
@@ -159,10 +159,10 @@ def _test_split(config: BenchConfig) -> dict[str, list[str]]:
 
 
 def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
-    summary = _read_json(config.train / "summary.json", "train")
-    train = _read_json(config.train_metrics, "train")
+    summary = read_json(config.train / "summary.json", "train")
+    train = read_json(config.train_metrics, "train")
     require(config.export / WINNER_FILE, "export")
-    draft = _read_json(config.draft_metrics, None) if config.draft_metrics.is_file() else {}
+    draft = read_json(config.draft_metrics, "draft") if config.draft_metrics.exists() else {}
     trees = train["replay"]["policies"]
     ti_static = trees.get("static_ti_mcsd", {})  # ti-mcsd's own best depth in the tree replay
     static_gamma = int(ti_static.get("depth") or summary.get("best_fixed_gamma") or DEFAULT_GAMMA)
@@ -216,13 +216,6 @@ def _peers(runtime: Runtime, plan: Plan, models: ModelsConfig) -> Peers | None:
         return Peers(runtime, assistant, dynamic, "sd")
     drafter = plain_drafter(plan.peer_draft, runtime, models.target_cache)
     return Peers(with_drafter(runtime, drafter), assistant, dynamic, SAME_DRAFT_SD)
-
-
-def _read_json(path: Path, stage: str | None) -> dict:
-    try:
-        return json.loads(require(path, stage).read_text())
-    except ValueError as err:
-        raise SpecstopError(f"{path}: not valid JSON ({err})") from err
 
 
 def _base_config(config: BenchConfig, collect: CollectConfig, temperature: float) -> DecodeConfig:

@@ -25,6 +25,11 @@ from .schema_errors import CROSS_KEY, dotted, problem
 
 METHODS = ("ar", "sd", "mcsd", "ti-mcsd", "tree")
 STOP_FAMILIES = ("logistic", "lightgbm", "mlp")
+BENCH_METHODS = (  # the bench's method names; <base>+<family> needs that family trained
+    "ar", "ar-aa", "sd", "sd-compact", "mcsd", "ti-mcsd", "ti-mcsd+confidence",
+    *[f"ti-mcsd+{family}" for family in STOP_FAMILIES], "ti-mcsd+stop_model", "static-tree",
+    "tree+confidence", *[f"tree+{family}" for family in STOP_FAMILIES], "tree+stop_model",
+    "ti-mcsd-lossy", "hf-assisted", "hf-assisted-static", "hf-prompt-lookup")
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 PROFILES = "profiles"
 MIN_TEMPERATURE = 1e-3  # below it logits / T overflow float32
@@ -47,6 +52,7 @@ def _temperature(value: float) -> float:
 Temperature = Annotated[float, AfterValidator(_temperature),
                         Field(description=f"0 (greedy) or a number in [{MIN_TEMPERATURE:g}, 100]")]
 Method = Literal["ar", "sd", "mcsd", "ti-mcsd", "tree"]
+BenchMethod = Literal[BENCH_METHODS]
 Dtype = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
 Device = Annotated[str, Field(pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$",
                               description="auto, cpu, cuda or cuda:N")]
@@ -103,6 +109,16 @@ class DecodeParams(TreeConfig):
     gamma: PosInt = 4
     threshold: Probability = 0.4
     stop_model: Path | None = None
+
+    @model_validator(mode="after")
+    def _gamma_within_depth(self) -> "DecodeParams":
+        """A gamma that is given (the default is capped at max_depth) must fit the tree."""
+        used = self.policy == "fixed" and self.stop_model is None
+        if used and "gamma" in self.model_fields_set and self.gamma > self.max_depth:
+            raise PydanticCustomError(CROSS_KEY, f"gamma: {self.gamma} levels do not fit in "
+                                      f"max_depth {self.max_depth} (raise max_depth or lower "
+                                      f"gamma)")
+        return self
 
 
 class PromptsConfig(Section):
@@ -281,8 +297,9 @@ class BenchConfig(Section):
     temperature: Temperature = 0.7  # the sampling run (greedy always runs)
     top_p: UnitFraction = 1.0
     seed: Seed = 0
-    methods: list[str] | None = None  # the methods the greedy run times (ar always); None: all
-    sampling_methods: list[str] = Field(  # the methods the sampling run times; [] for none
+    methods: list[BenchMethod] | None = None  # the methods the greedy run times (ar always);
+    # None: all
+    sampling_methods: list[BenchMethod] = Field(  # the methods the sampling run times; [] none
         ["ar", "sd", "ti-mcsd", "ti-mcsd+stop_model", "hf-assisted-static"])
     prompt_lookup_tokens: PosInt = 10  # transformers' prompt_lookup_num_tokens
     bootstrap_resamples: PosInt = 10000  # paired bootstrap over prompts (95% intervals)
@@ -332,6 +349,10 @@ def with_overrides(params: Params, source: str, **sections: dict[str, Any]) -> P
     except ValidationError as err:
         error = err.errors()[0]
         loc = tuple(error["loc"])
+        if error["type"] == CROSS_KEY:  # a rule over several keys: its message names the key
+            key, _, rest = error["msg"].partition(": ")
+            if (*loc[:1], key) in flags:
+                raise SpecstopError(f"--{key.replace('_', '-')}: {rest}") from None
         if loc[:2] in flags:
             raise SpecstopError(f"--{str(loc[1]).replace('_', '-')}: "
                                 f"{problem(Params, error)}") from None

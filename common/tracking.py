@@ -26,6 +26,8 @@ PROBE_TIMEOUT_S = 3.0  # a tracking server that does not answer /health within t
 FIX = "fix `mlflow.tracking_uri` in params.yaml (or MLFLOW_TRACKING_URI, which overrides it)"
 SCHEMES = ("", "file", "sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks",
            "databricks-uc", "uc")  # the tracking-store schemes MLflow knows
+DATABASES = ("postgresql", "mysql", "mssql")  # SQLAlchemy stores: a driver module each
+ALLOW_FILE_STORE = "MLFLOW_ALLOW_FILE_STORE"  # MLflow 3 refuses folder stores without it
 SQLITE_HEADER = b"SQLite format 3\x00"
 EXPERIMENT_KIND = "mlflow.experimentKind"  # the tag MLflow 3's UI reads (no Python constant)
 MODEL_TRAINING = "custom_model_development"  # its "Machine learning" kind: the runs, not traces
@@ -63,10 +65,12 @@ def mark_model_training(uri: str, experiment_id: str) -> None:
 
 
 def check(uri: str) -> None:
-    """Fail fast where MLflow would retry for minutes or fail with a traceback: a tracking
-    server that does not answer (http, https), an SQLite file whose folder cannot be created or
-    written, an unknown scheme.  A missing SQLite folder that can be created is fine (MLflow
-    creates it); a server that answers at all, even with an HTTP error, is left to MLflow."""
+    """Fail fast where MLflow would retry for minutes, or fail late or with a traceback: a
+    tracking server that does not answer (http, https), an SQLite file whose folder cannot be
+    created or written, an unknown scheme, a folder store (MLflow 3 refuses it unless
+    MLFLOW_ALLOW_FILE_STORE is set), a database without its driver.  A missing SQLite folder
+    that can be created is fine (MLflow creates it); a server that answers at all, even with
+    an HTTP error, is left to MLflow."""
     scheme = urlsplit(uri).scheme.lower()
     if len(scheme) == 1:  # a Windows drive letter: a local path
         scheme = ""
@@ -77,6 +81,28 @@ def check(uri: str) -> None:
     elif scheme.split("+")[0] not in SCHEMES:  # postgresql+psycopg2 is postgresql
         raise SpecstopError(f"MLflow tracking URI {uri}: unknown scheme '{scheme}' (use "
                             f"sqlite:///path/to/mlflow.db or http://host:port); {FIX}")
+    elif scheme in ("", "file") and not _file_store_allowed():
+        raise SpecstopError(f"MLflow tracking URI {uri}: MLflow refuses a folder store unless "
+                            f"{ALLOW_FILE_STORE}=true (use sqlite:///path/to/mlflow.db); {FIX}")
+    elif scheme.split("+")[0] in DATABASES:
+        _check_driver(uri)
+
+
+def _file_store_allowed() -> bool:
+    return os.environ.get(ALLOW_FILE_STORE, "").lower() in ("true", "1")
+
+
+def _check_driver(uri: str) -> None:
+    """The database URI's SQLAlchemy driver is installed (MLflow would fail with an import
+    error, not a message)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        make_url(uri).get_dialect().import_dbapi()
+    except (ImportError, NoSuchModuleError, ArgumentError) as err:
+        raise SpecstopError(f"MLflow tracking URI {uri}: its database driver is not installed "
+                            f"({first_line(err)}); install it or {FIX}") from err
 
 
 def _probe_server(uri: str) -> None:

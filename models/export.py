@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from specstop.common import tracking
 from specstop.common.errors import DataError, SpecstopError
-from specstop.common.files import write_atomic, write_json
+from specstop.common.files import read_json, write_atomic, write_json
 from specstop.common.params import ExportConfig, TrackingStore
 from specstop.decoder.costs import CostModel
 from specstop.decoder.policy import confidence_score
@@ -63,9 +63,7 @@ def export(config: ExportConfig, store: TrackingStore) -> dict:
 
 def _summary(folder: Path) -> dict:
     path = folder / "summary.json"
-    if not path.is_file():
-        raise SpecstopError(f"{path}: not found (run `specstop train` first)")
-    summary = json.loads(path.read_text())
+    summary = read_json(path, "train")
     if not summary.get("families"):
         raise SpecstopError(f"{path}: no trained decision model to export")
     return summary

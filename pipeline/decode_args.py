@@ -16,6 +16,17 @@ DECODE_FLAGS = ("method", "max_new_tokens", "temperature", "top_p", "max_depth",
                 "seed")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a count of prompts, say)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="embedded, a hub id, a model folder or a .gguf file")
     parser.add_argument("--draft", help="a model (same tokenizer) or layers:N (target truncated)")

@@ -133,10 +133,13 @@ def test_a_chosen_few_methods_and_no_sampling_pass(tmp_path, tiny_model_dir, mon
 
 def test_an_unknown_sampling_method_is_refused_before_the_work(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    with pytest.raises(SpecstopError, match=r"bench\.sampling_methods\[0\]: expected one of "):
+        validate({"bench": {"sampling_methods": ["sdd"]}})  # by the schema, before any stage
     write_trained_outputs(tmp_path, families=("logistic", "mlp"))
-    with pytest.raises(SpecstopError, match=r"^bench\.sampling_methods: unknown method 'sdd' "):
+    with pytest.raises(SpecstopError, match=r"^bench\.sampling_methods: unknown method "
+                                            r"'tree\+lightgbm' "):  # a family not trained
         run_bench(validate({"models": {"target": "absent", "draft": "absent"},
-                            "bench": {"sampling_methods": ["sdd"]}}))
+                            "bench": {"sampling_methods": ["tree+lightgbm"]}}))
 
 
 def test_the_paired_bootstrap_recovers_a_known_ratio():
