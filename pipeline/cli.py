@@ -15,7 +15,8 @@ from specstop.common.errors import SpecstopError
 from specstop.common.params import Params
 from specstop.decoder.loop import DecodeConfig
 
-from .decode_args import with_flags
+from .decode_args import positive_int, with_flags
+from .outputs import check_outputs
 from .params import DEFAULT_PARAMS, checked_params, read_params_file
 from .stage_record import read_records, timed_stage
 
@@ -70,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench-decode", help="tokens/s of every method side by side")
     bench.add_argument("--methods", nargs="+", default=["ar", "sd", "mcsd", "ti-mcsd", "ti-mcsd-lossy"],
                        help="methods to compare; ti-mcsd-lossy is ti-mcsd --lossy")
-    bench.add_argument("--prompts", type=int, default=3, help="number of HumanEval prompts")
+    bench.add_argument("--prompts", type=positive_int, default=3,
+                       help="number of HumanEval prompts")
     bench.add_argument("--prompt", action="append", help="a prompt (repeatable) instead")
     bench.add_argument("--execute-code", action="store_true",
                        help="also run HumanEval's tests on every output (executes generated "
@@ -88,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         params = checked_params(raw, path)  # the whole file, before any work
         if args.command in STAGES:  # each stage is the module of its name: run(params)
             stage = importlib.import_module(f".{args.command}", __package__)
+            check_outputs(args.command, params)  # writable, before any work
             timed_stage(args.command, lambda: stage.run(params))
         elif args.command == "generate":
             _generate(args, with_flags(params, args, str(path)))

@@ -1,6 +1,10 @@
 """Stage `collect`: the decision models' logged rounds and cost model (`specstop.models.collection`),
-one process or several under `torchrun`."""
+one process or several under `torchrun`; one run at a time per output folder (rank 0 holds its
+lock: a second run, or a second torchrun, fails at once)."""
 
+from contextlib import nullcontext
+
+from specstop.common.files import folder_lock
 from specstop.common.params import Params
 from specstop.decoder.runtime import decode_config
 from specstop.drafts.loading import load_runtime, require_draft
@@ -14,9 +18,10 @@ def run(params: Params) -> dict | None:
     require_draft(models.draft)
     parts = collection.plan_parts(collect.prompts, collect.splits, collect.part_size,
                                   collect.max_prompts)
-    runtime = load_runtime(models.target, models.draft, models.dtype,
-                           collection.process_device(models.device),
-                           models.target_cache,  # every check before the logs are touched
-                           cpu_kernel=models.cpu_kernel, compile=models.compile)
-    return collection.collect(runtime, parts, config, collect, models, rank, world,
-                       tuple(params.costs.widths))
+    with folder_lock(collect.out, "collect") if rank == 0 else nullcontext():
+        runtime = load_runtime(models.target, models.draft, models.dtype,
+                               collection.process_device(models.device),
+                               models.target_cache,  # every check before the logs are touched
+                               cpu_kernel=models.cpu_kernel, compile=models.compile)
+        return collection.collect(runtime, parts, config, collect, models, rank, world,
+                                  tuple(params.costs.widths))

@@ -11,20 +11,28 @@ parts unit by unit (test_collect.test_reading_bad_parts_gives_clear_errors).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from contextlib import contextmanager, nullcontext
+from typing import Callable, ContextManager, Iterator
+from unittest import mock
 
 import pytest
 import torch
 import yaml
 
+from specstop.common.files import folder_lock
 from specstop.features import FEATURES
-from specstop.pipeline.cli import main
+from specstop.models import collection
+from specstop.pipeline import cli
+from specstop.pipeline.cli import STAGES, main
 
+from conftest import write_chat_prompts
 from stop_models import write_stop_model
 from synthetic_rows import make_collect
 
@@ -113,9 +121,11 @@ def test_unusable_tracking_store_fails_fast(tmp_path, capsys, case):
 class Case:
     argv: list[str]  # after `specstop --params params.yaml`; <tiny> is a tiny model folder
     expected: str  # in the error line; <root> is the project folder
-    params: dict = field(default_factory=dict)  # merged into the project's params.yaml
+    params: dict = field(default_factory=dict)  # merged into the project's params.yaml (<tiny>
+    # as a value is the tiny model folder)
     setup: Callable[[Path, Path], None] | None = None  # (project, tiny model folder)
     raw_params: str | None = None  # the params file's text instead
+    during: Callable[[Path], ContextManager] | None = None  # held around the run (project)
 
 
 def _set(*keys_value) -> dict:
@@ -157,6 +167,94 @@ def _empty_costs(root: Path, tiny: Path) -> None:
 
 def _a_file(root: Path, tiny: Path) -> None:
     (root / "a-file").write_text("not a folder\n")
+
+
+def _fewer_layers(root: Path, tiny: Path) -> None:
+    """A copy of the tiny model whose config has one layer of its two."""
+    shutil.copytree(tiny, root / "fewer")
+    config = json.loads((root / "fewer" / "config.json").read_text())
+    (root / "fewer" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+
+
+def _small_vocabulary_draft(root: Path, tiny: Path) -> None:
+    """A draft with the target's tokenizer and 1,000 of its 49,152 vocabulary rows."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    config = LlamaConfig(vocab_size=1000, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512)
+    LlamaForCausalLM(config).save_pretrained(root / "small-vocab")
+    tokenizer.save_pretrained(root / "small-vocab")
+
+
+def _prompt_rows(*requests: str) -> Callable[[Path, Path], None]:
+    def write(root: Path, tiny: Path) -> None:
+        (root / "qs.jsonl").write_text("".join(json.dumps({"q": r}) + "\n" for r in requests))
+    return write
+
+
+def _folders(*names: str) -> Callable[[Path, Path], None]:
+    def make(root: Path, tiny: Path) -> None:
+        for name in names:
+            (root / name).mkdir(parents=True)
+    return make
+
+
+def _summary_not_json(root: Path, tiny: Path) -> None:
+    (root / "data/train").mkdir(parents=True)
+    (root / "data/train/summary.json").write_text("{not json\n")
+    (root / "metrics/train.json").write_text("{}\n")
+
+
+def _collect_prompts(root: Path, tiny: Path) -> None:
+    write_chat_prompts(root / "data/prompts", tiny, {"train": ["one two three"],
+                                                     "val": ["four five six"]})
+
+
+def _read_only(*names: str) -> Callable[[Path], ContextManager]:
+    """The folders `names` of the project take no new file for the block (chmod, or the
+    immutable flag where the tests run as root); the test is skipped where neither holds."""
+    def during(root: Path):
+        return _read_only_folders([root / name for name in names])
+    return during
+
+
+@contextmanager
+def _read_only_folders(folders: list[Path]) -> Iterator[None]:
+    made: list[Path] = []
+    try:
+        for folder in folders:
+            _set_read_only(folder, True)
+            made.append(folder)
+        yield
+    finally:
+        for folder in made:
+            _set_read_only(folder, False)
+
+
+def _set_read_only(folder: Path, on: bool) -> None:
+    """chmod 555 / 755; as root, whom modes do not stop, the immutable flag."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555 if on else 0o755)
+        return
+    try:
+        subprocess.run(["chattr", "+i" if on else "-i", str(folder)], check=True,
+                       capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        if on:
+            pytest.skip("running as root without chattr: no folder can be made read-only")
+        raise
+
+
+def _collect_running(rank: int = 0, world: int = 1) -> Callable[[Path], ContextManager]:
+    """Another collect run holds data/collect's lock; this one is rank `rank` of `world`."""
+    @contextmanager
+    def during(root: Path) -> Iterator[None]:
+        with folder_lock(root / "data/collect", "collect"), \
+                mock.patch.object(collection, "init_distributed", lambda: (rank, world)):
+            yield
+    return during
 
 
 GEN = ["generate", "--target", "<tiny>", "--draft", "<tiny>", "--dtype", "float32",
@@ -240,6 +338,83 @@ CASES: dict[str, Case] = {
     "empty-cost-timings": Case(["train"], "costs.json: not a cost model", setup=_empty_costs),
     "workspace-into-a-file": Case(["workspace", "a-file"], "a-file: exists and is not a folder",
                                   setup=_a_file),
+    # issue 30: data loss, silent successes, late or vague errors, tracebacks, concurrency
+    "cache-dir-is-the-data-folder": Case(
+        ["generate", "--prompt", "hi"], "data: holds other files, not a converted model (no "
+        "model.safetensors); set models.cache_dir to a new or empty folder",
+        _set("models", "cache_dir", "data")),
+    "empty-params-file": Case(["train"], "params.yaml: no settings (empty, or only comments)",
+                              raw_params=""),
+    "comment-only-params-file": Case(["train"], "params.yaml: no settings",
+                                     raw_params="# train:\n#   seed: 1\n"),
+    "duplicate-key": Case(["train"], "params.yaml: not valid YAML at line 3, column 3 (key "
+                          "'seed' given twice in one mapping)",
+                          raw_params="train:\n  seed: 1\n  seed: 2\n"),
+    "duplicate-section": Case(["train"], "params.yaml: not valid YAML at line 3, column 1 (key "
+                              "'train' given twice", raw_params="train:\n  seed: 1\ntrain:\n"
+                                                                "  label: soft\n"),
+    "tab-in-yaml": Case(["train"], "params.yaml: not valid YAML at line 3, column 1 (a tab; "
+                        "YAML indents with spaces)",
+                        raw_params="train:\n  seed: 1\n\tlabel: soft\n"),
+    "params-file-is-a-directory": Case(["--params", "conf", "train"],
+                                       "conf: is a directory, not a file", setup=_folders("conf")),
+    "gamma-deeper-than-max-depth": Case([*GEN, "--gamma", "9", "--max-depth", "8"],
+                                        "--gamma: 9 levels do not fit in max_depth 8"),
+    "target-config-with-fewer-layers": Case(
+        ["generate", "--target", "fewer", "--prompt", "hi"], "fewer: the weights do not match "
+        "config.json (9 weight tensors it has no place for, e.g. 'model.layers.1.",
+        setup=_fewer_layers),
+    "draft-with-a-smaller-vocabulary": Case(
+        [*GEN[:3], "--draft", "small-vocab", *GEN[5:]], "draft 'small-vocab': a vocabulary of "
+        "1000 tokens, smaller than the target's 49152", setup=_small_vocabulary_draft),
+    "two-prompt-rows": Case(["prompts"], "prompts: the val split would be empty (2 distinct "
+                            "prompts in all, cut by prompts.fractions) and stage draft reads it",
+                            {"models": {"target": "<tiny>"},
+                             "prompts": {"sources": [{"path": "qs.jsonl", "field": "q"}]}},
+                            setup=_prompt_rows("Write a sort.", "Explain a heap.")),
+    "thirty-identical-prompt-rows": Case(
+        ["prompts"], "prompts: the val split would be empty (1 distinct prompts in all",
+        {"models": {"target": "<tiny>"},
+         "prompts": {"sources": [{"path": "qs.jsonl", "field": "q"}]}},
+        setup=_prompt_rows(*["Write a sort."] * 30)),
+    "prompt-file-is-a-directory": Case(["prompts"], "qs.jsonl: is a directory, not a file",
+                                       {"models": {"target": "<tiny>"}, "prompts": {
+                                           "sources": [{"path": "qs.jsonl", "field": "q"}]}},
+                                       setup=_folders("qs.jsonl")),
+    "stop-model-is-a-directory": Case([*GEN, "--stop-model", "models"],
+                                      "models: is a directory, not a file",
+                                      setup=_folders("models")),
+    "bench-decode-negative-prompts": Case(["bench-decode", "--prompts", "-1"],
+                                          "argument --prompts: expected an integer >= 1, "
+                                          "got '-1'"),
+    "bench-decode-zero-prompts": Case(["bench-decode", "--prompts", "0"],
+                                      "argument --prompts: expected an integer >= 1, got '0'"),
+    "train-summary-not-json": Case(["export"], "data/train/summary.json: not valid JSON",
+                                   setup=_summary_not_json),
+    "bench-on-a-train-summary-not-json": Case(["bench"], "data/train/summary.json: not valid "
+                                              "JSON", setup=_summary_not_json),
+    "metrics-not-writable": Case(["train"], "metrics/train.json: cannot be written, metrics "
+                                 "takes no new file", during=_read_only("metrics")),
+    "data-not-writable": Case(["train"], "data/train: cannot be written, data takes no new file",
+                              during=_read_only("data")),
+    "costs-path-is-a-folder": Case(["prepare"], "data/costs: is a directory, not a file "
+                                   "(costs.path)", _set("costs", "path", "data/costs"),
+                                   setup=_folders("data/costs")),
+    "postgres-without-its-driver": Case(
+        ["train"], "MLflow tracking URI postgresql://me@localhost/mlflow: its database driver is "
+        "not installed", _set("mlflow", "tracking_uri", "postgresql://me@localhost/mlflow")),
+    "file-tracking-uri": Case(["export"], "MLflow tracking URI file:./mlruns: MLflow refuses a "
+                              "folder store unless MLFLOW_ALLOW_FILE_STORE=true",
+                              _set("mlflow", "tracking_uri", "file:./mlruns")),
+    "bench-method-typo-refused-by-prepare": Case(
+        ["prepare"], "params.yaml: bench.methods[0]: expected one of 'ar', ",
+        _set("bench", "methods", ["nope"])),
+    "second-collect-run": Case(["collect"], "data/collect: another `specstop collect` run is "
+                               "writing this folder", setup=_collect_prompts,
+                               during=_collect_running()),
+    "second-torchrun-collect": Case(["collect"], "data/collect: another `specstop collect` run "
+                                    "is writing this folder", setup=_collect_prompts,
+                                    during=_collect_running(rank=0, world=2)),
 }
 
 
@@ -263,21 +438,35 @@ def test_bad_input_is_one_line_and_touches_no_output(name, tmp_path, capsys, tin
     params.write_text(case.raw_params if case.raw_params is not None else yaml.safe_dump(
         _deep_merge({"models": {"draft": "data/draft/default"},
                      "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
-                     "train": {"families": ["logistic"]}}, case.params)))
-    before = _snapshot(tmp_path)
+                     "train": {"families": ["logistic"]}}, _tiny(case.params, tiny_target))))
     argv = [str(tiny_target) if a == "<tiny>" else a for a in case.argv]
-    capsys.readouterr()
-    start = time.perf_counter()
-    code = main(["--params", str(params), *argv])
-    seconds = time.perf_counter() - start
+    with case.during(tmp_path) if case.during else nullcontext():
+        before = _snapshot(tmp_path)
+        capsys.readouterr()
+        start = time.perf_counter()
+        try:
+            code = main(["--params", str(params), *argv])
+        except SystemExit as exit:  # a usage error, from argparse
+            code = exit.code
+        seconds = time.perf_counter() - start
+        after = _snapshot(tmp_path)
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and "Traceback" not in err, err
     assert len(lines) == 1 and lines[0].startswith("specstop: error: "), err
     assert case.expected in lines[0], lines[0]
     assert seconds < 30, seconds  # before any work: no model conversion, no decoding
-    assert _snapshot(tmp_path) == before
+    assert after == before
     assert not (tmp_path / "data" / "models").exists()  # nothing converted
+
+
+def _tiny(value, tiny: Path):
+    """`value` with every "<tiny>" string in it the tiny model folder."""
+    if isinstance(value, dict):
+        return {k: _tiny(v, tiny) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_tiny(v, tiny) for v in value]
+    return str(tiny) if value == "<tiny>" else value
 
 
 def _deep_merge(base: dict, override: dict) -> dict:
@@ -286,6 +475,42 @@ def _deep_merge(base: dict, override: dict) -> dict:
         out[key] = _deep_merge(base[key], value) if isinstance(value, dict) and \
             isinstance(base.get(key), dict) else value
     return out
+
+
+# One bad value per params section: every stage refuses each of them, those of the sections
+# only later stages read included (`bench.methods` is refused by `specstop prepare`).
+BAD_SECTIONS: dict[str, tuple[dict, str]] = {
+    "models": (_set("models", "dtype", "fp8"), "models.dtype: expected one of 'auto'"),
+    "costs": (_set("costs", "widths", [0]), "costs.widths[0]: expected an integer >= 1"),
+    "decode": (_set("decode", "gamma", 9), "decode: gamma: 9 levels do not fit in max_depth 8"),
+    "prompts": (_set("prompts", "fractions", {"train": 1.0}), "prompts.fractions: expected a "
+                "mapping with keys train, val, test"),
+    "draft": (_set("draft", "train", "lr", 0), "draft.train.lr: expected a number > 0"),
+    "mlflow": (_set("mlflow", "experiment", ""), "mlflow.experiment: expected a string"),
+    "collect": (_set("collect", "splits", ["dev"]), "collect.splits[0]: expected one of"),
+    "train": (_set("train", "label", "fuzzy"), "train.label: expected one of 'hard', 'soft'"),
+    "export": (_set("export", "tolerance", -1), "export.tolerance: expected a number >= 0"),
+    "bench": (_set("bench", "methods", ["nope"]), "bench.methods[0]: expected one of 'ar'"),
+    "profiles": (_set("profiles", "fast", "bench", "sampling_methods", ["nope"]),
+                 "profiles.fast.bench.sampling_methods[0]: expected one of 'ar'"),
+}
+
+
+@pytest.mark.parametrize("section", list(BAD_SECTIONS))
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_every_stage_checks_every_section_before_any_work(stage, section, tmp_path, capsys,
+                                                           monkeypatch):
+    def no_work(*args, **kwargs):
+        raise AssertionError(f"stage {stage} started with a bad {section} section")
+
+    monkeypatch.setattr(cli, "timed_stage", no_work)
+    monkeypatch.setattr(cli, "check_outputs", no_work)
+    raw, expected = BAD_SECTIONS[section]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    capsys.readouterr()
+    assert main(["--params", str(tmp_path / "params.yaml"), stage]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"params.yaml: {expected}" in err, err
 
 
 def test_ctrl_c_exits_130_in_one_line_and_keeps_outputs(tmp_path, capsys, monkeypatch):
