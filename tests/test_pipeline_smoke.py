@@ -18,6 +18,7 @@ import yaml
 
 from specstop.decoder.stop_model import load_stop_model
 from specstop.pipeline.params import read_params_file
+from specstop.pipeline.stage_record import read_records
 from specstop.pipeline.workspace import make_workspace
 
 from conftest import ROOT
@@ -66,8 +67,9 @@ def test_repro_ends_with_stop_model_metrics_plots_and_runs(smoke: Path):
     bench = json.loads((smoke / "metrics/bench.json").read_text())
     assert train["replay"]["winner"]["family"] == policy.meta["family"]
     assert policy.tree_rule.branching[:3] == (3, 2, 2)  # the superset tree collect logs
-    for method in ["ar", "ar-aa", "sd", "ti-mcsd", "static-tree", "tree+confidence",
-                   "tree+stop_model", "ti-mcsd+stop_model", "hf-prompt-lookup"]:
+    chosen = read_params_file(smoke / "params.yaml")["bench"]["methods"]
+    assert {"ar-aa", "sd", "ti-mcsd", "static-tree", "tree+stop_model"} <= set(chosen)
+    for method in ["ar", *[m for m in chosen if not m.startswith("hf-assisted")]]:  # no peer
         assert {"tokens_per_s", "speedup_vs_ar", "mean_accepted", "acceptance_rate",
                 "greedy_identical_to_ar"} <= set(bench[method])
     assert bench["summary"]["domains"] == ["humaneval", "magpie"]
@@ -76,6 +78,9 @@ def test_repro_ends_with_stop_model_metrics_plots_and_runs(smoke: Path):
     assert len(list((smoke / "metrics/train_plots/speedup").glob("*.csv"))) >= 4
     assert (smoke / "metrics/draft_plots/learning_curve.csv").is_file()
     assert _runs(smoke, "specstop-draft") >= 1 and _runs(smoke, "specstop-train") >= 4
+    records = read_records(smoke / "metrics/stages")
+    assert list(records) == sorted(STAGES) and all(r["seconds"] > 0 for r in records.values())
+    assert records["bench"]["achieved"]["prompts"] == bench["summary"]["prompts"]
 
 
 def _runs(workspace: Path, experiment: str) -> int:
