@@ -26,10 +26,12 @@ smoke: install
 	$(VENV)/bin/specstop workspace build/smoke --profile smoke
 	cd build/smoke && PATH="$(CURDIR)/$(VENV)/bin:$$PATH" dvc repro
 
-# the import contracts in pyproject.toml (layers, no cycles), then the tests
+# the import contracts in pyproject.toml (layers, no cycles), then the tests in TEST_WORKERS
+# processes (pytest-xdist; a file per worker at a time, the longest first: tests/conftest.py)
+TEST_WORKERS ?= 2
 test: install
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS)
 
 # the prepared GPU check (scripts/gpu_check.sh): installs nothing, so it does not depend on
 # `install`; outputs under $$OUT, else build/gpu-check/ (GPU_CHECK_DEVICE=cpu: a dry run)

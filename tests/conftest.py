@@ -1,9 +1,19 @@
 """Shared fixtures: tiny random Llamas (ids only, or saved as model folders for the CLI) and the
-embedded model (integration)."""
+embedded model (integration); with pytest-xdist (`make test`), one core per worker and the
+longest files first."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 from pathlib import Path
+
+# Under pytest-xdist each worker gets one core: one torch thread here and in every subprocess
+# (set before torch is imported); two threads per worker would fight over two cores.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(variable, "1")
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,6 +25,21 @@ from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM,
 from specstop.decoder.load import DEFAULT_CACHE, convert_embedded
 
 ROOT = Path(__file__).resolve().parents[1]
+
+if WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# `make test` runs `pytest -n 2 --dist loadfile --no-loadscope-reorder`: a worker takes a whole
+# file (its module fixtures built once) and the files go out in collection order, so the
+# longest start first and none of them is left to run alone at the end.
+LONGEST_FIRST = ["test_pipeline_smoke.py", "test_kill_resume.py", "test_losslessness_mc.py",
+                 "test_cli.py", "test_integration.py", "test_compiled.py", "test_faults.py"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files of LONGEST_FIRST first, in that order; the others after them, as collected."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 def tiny_llama(seed: int, layers: int = 2, vocab: int = 97, hidden: int = 32) -> LlamaForCausalLM:
@@ -40,8 +65,13 @@ def perturbed_copy(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.
 
 @pytest.fixture(scope="session")
 def embedded_dir() -> Path:
-    """The de-quantised embedded target (converted once, shared with the pipeline)."""
-    return convert_embedded(ROOT / DEFAULT_CACHE)
+    """The de-quantised embedded target (converted once, shared with the pipeline); under a
+    file lock, so that of two workers one converts and the other waits for it."""
+    cache = ROOT / DEFAULT_CACHE
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache.parent / ".convert.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return convert_embedded(cache)
 
 
 TINY_CONTEXT = 96  # max_position_embeddings of the tiny CLI models: long prompts overflow it
