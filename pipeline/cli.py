@@ -159,7 +159,7 @@ def _results(args: argparse.Namespace, params: Params) -> None:
         raise SpecstopError(f"{path}: no `summary` block (written by an older bench; re-run it)")
     if not args.readme.is_file():
         raise SpecstopError(f"{args.readme}: not found (give --readme)")
-    update_readme(args.readme, metrics, read_records())
+    update_readme(args.readme, metrics, read_records(order=tuple(STAGES)))
     print(f"{args.readme}: results section rewritten from {path}")
 
 

@@ -47,6 +47,9 @@ def machine() -> dict:
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
-def read_records(folder: Path = STAGE_METRICS) -> dict[str, dict]:
-    """The stage records in `folder`, by stage name (none where no stage has run)."""
-    return {p.stem: json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))}
+def read_records(folder: Path = STAGE_METRICS, order: tuple[str, ...] = ()) -> dict[str, dict]:
+    """The stage records in `folder` by stage name, the names in `order` first in that order
+    (none where no stage has run)."""
+    paths = sorted(Path(folder).glob("*.json"),
+                   key=lambda p: (order.index(p.stem) if p.stem in order else len(order), p.stem))
+    return {p.stem: json.loads(p.read_text()) for p in paths}
