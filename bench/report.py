@@ -313,8 +313,7 @@ def stages_markdown(records: dict[str, dict]) -> str:
     achieved and the machine, for the README: figures from other CPUs are never mixed in."""
     if not records:
         return ""
-    machines = {json.dumps({k: v for k, v in r["machine"].items() if k != "torch_threads"},
-                           sort_keys=True) for r in records.values()}  # torchrun: 1 thread
+    machines = {json.dumps(r["machine"], sort_keys=True) for r in records.values()}
     first = next(iter(records.values()))["machine"]
     total = sum(r["seconds"] for r in records.values()) / 60
     rows = ["", f"Stage times of this run: {first['cpu']}, {first['cores']} cores, CPU flags "

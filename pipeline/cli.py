@@ -159,7 +159,10 @@ def _results(args: argparse.Namespace, params: Params) -> None:
         raise SpecstopError(f"{path}: no `summary` block (written by an older bench; re-run it)")
     if not args.readme.is_file():
         raise SpecstopError(f"{args.readme}: not found (give --readme)")
-    update_readme(args.readme, metrics, read_records(order=tuple(STAGES)))
+    records = read_records(order=tuple(STAGES))
+    for record in records.values():  # a torchrun worker's threads are not another machine
+        record["machine"].pop("torch_threads", None)
+    update_readme(args.readme, metrics, records)
     print(f"{args.readme}: results section rewritten from {path}")
 
 
