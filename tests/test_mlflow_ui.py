@@ -32,8 +32,8 @@ def bench_metrics() -> dict:
     method = {"tokens_per_s": 30.0, "speedup_vs_ar": 1.5, "speedup_vs_ar_ci95": [1.4, 1.6]}
     return {"ar": {**method, "speedup_vs_ar": 1.0}, "ti-mcsd+stop_model": method,
             "sampling": {"ar": method, "sd": {**method, "tokens_per_s": 25.0}},
-            "setup": {"prompts": 8, "device": "cpu", "sampling_methods": ["sd"],
-                      "peers": {"hf-assisted": {"num_assistant_tokens": 20}}},
+            "setup": {"prompts": 8, "max_new_tokens": 64, "device": "cpu",
+                      "sampling_methods": ["sd"], "peers": {"hf-assisted": {"num_assistant_tokens": 20}}},
             "latency": {"decision_ms": {"stop_model": 0.2}},
             "summary": {"winner": "ti-mcsd+stop_model", "prompts": 8, "domains": ["chat"],
                         "winner_vs_best_static": RATIO, "winner_vs_ar": RATIO,
