@@ -37,6 +37,7 @@ from specstop.decoder.stop_model import LearnedPolicy, load_stop_model
 from specstop.decoder.tree_rule import TreeRule
 from specstop.drafts.loading import (is_plain_draft, plain_assistant, plain_drafter, require_draft,
                                      runtime_from, with_drafter)
+from specstop.drafts.store import check_held_out
 from specstop.evaluation.side_by_side import Method, bench_methods, decoder_method
 from specstop.models.export import WINNER_FILE
 from specstop.prompts.splits import interleave, read_split
@@ -87,6 +88,8 @@ def run(config: BenchConfig, models: ModelsConfig, collect: CollectConfig,
     _check_method_names(config, plan)
     test = _test_split(config)
     require_draft(models.draft)
+    check_held_out(models.draft, test["prompt_id"], f"bench: the test prompts of "
+                   f"{config.prompt_dir}")
     runtime = runtime_from(models, costs, need_draft=True)
     prompts = [runtime.encode(t, chat=False, special_tokens=False) for t in test["text"]]
     peers = _peers(runtime, plan, models)

@@ -124,7 +124,7 @@ class DecodeParams(TreeConfig):
 class PromptsConfig(Section):
     out: Path = paths.PROMPTS
     seed: Seed = 0
-    fractions: dict[str, NonNegFloat] = {"train": 0.7, "val": 0.15, "test": 0.15}
+    fractions: dict[str, NonNegFloat] = {"draft": 0.5, "train": 0.2, "val": 0.15, "test": 0.15}
     sources: list[dict[str, Any]] = Field(
         [{"embedded": "humaneval"}, {"embedded": "magpie", "max_prompts": 200}], min_length=1)
 

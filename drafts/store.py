@@ -36,6 +36,10 @@ def _layer_indices(value: object) -> bool:
     return isinstance(value, list) and len(value) > 0 and all(type(i) is int for i in value)
 
 
+def _prompt_ids(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(i, str) for i in value)
+
+
 def _token_ids(value: object) -> bool:
     return value is None or (isinstance(value, list) and len(value) > 0
                              and all(type(i) is int and i >= 0 for i in value))
@@ -47,9 +51,11 @@ META_KEYS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "target_hidden_size": ("a positive integer", _positive_int),
     "vocab_ids": ("null or a non-empty list of token ids", _token_ids),
     "target_layers": ("a non-empty list of hidden-state indices", _layer_indices),
+    "trained_on_prompts": ("a list of prompt ids", _prompt_ids),
 }
 REQUIRED_META = {"compact": ("vocab_ids",), "feature": ("target_vocab_size", "target_hidden_size")}
-OPTIONAL_META = ("target_layers",)  # a feature head's fused layers (absent: the last layer)
+OPTIONAL_META = ("target_layers",  # a feature head's fused layers (absent: the last layer)
+                 "trained_on_prompts")  # the ids of the prompts its corpus answered
 
 
 @dataclass
@@ -119,6 +125,20 @@ def read_meta(folder: Path) -> dict | None:
         if not valid(meta[key]):
             raise SpecstopError(f"{path}: key '{key}' must be {what}")
     return meta
+
+
+def check_held_out(draft: str, prompt_ids: list[str], what: str) -> None:
+    """Refuse prompts a specstop-built draft was distilled on (`trained_on_prompts` in its
+    metadata): it has learned their responses, so rounds on them do not show the acceptance
+    decoding meets.  `what` names the prompts (stage and split) in the one-line error."""
+    meta = read_meta(Path(draft)) if Path(draft).is_dir() else None
+    trained = set(meta.get("trained_on_prompts", ())) if meta else set()
+    shared = [pid for pid in prompt_ids if pid in trained]
+    if shared:
+        raise SpecstopError(f"{what}: {len(shared)} of {len(prompt_ids)} prompts (e.g. "
+                            f"{shared[0]}) are among those the draft {draft} was distilled on "
+                            f"({Path(draft) / DRAFT_META_FILE}); give them another split "
+                            f"(prompts.fractions) or re-run stage draft")
 
 
 def load_feature_head(folder: Path, target: nn.Module, meta: dict) -> LoadedDraft:

@@ -54,7 +54,7 @@ def run(cfg: DraftConfig, models: ModelsConfig, tracking: TrackingStore) -> dict
     dtype = resolve_dtype(models.dtype, device)
     check(tracking_uri(tracking.uri))  # before the corpus, not after
     val_prompts = draft_prompts(cfg.prompts, "val", cfg.max_prompts, None)
-    train_prompts = draft_prompts(cfg.prompts, "train", cfg.max_prompts, cfg.domains)
+    train_prompts = draft_prompts(cfg.prompts, "draft", cfg.max_prompts, cfg.domains)
     train_config = cfg.train.model_copy(
         update={"precision": resolve_precision(cfg.train.precision, device)})
     target = load_model(models.target, dtype, device, models.target_cache)
@@ -69,12 +69,13 @@ def run(cfg: DraftConfig, models: ModelsConfig, tracking: TrackingStore) -> dict
             update={"max_minutes": spec.max_minutes})
         recipe = {"spec": spec.model_dump(), "train": config.model_dump(),
                   "corpus": cfg.corpus.model_dump(), "max_prompts": cfg.max_prompts,
-                  "target": models.target, "seed": seed}
+                  "target": models.target, "seed": seed,
+                  "trained_on_prompts": train_prompts["prompt_id"]}
         if resume_or_set_aside(folder, recipe, out / STALE, f"draft: {folder}") \
                 and read_meta(folder) is not None:
             continue  # finished with these settings
-        _distil(spec, models, device, counts, train, val, layers,
-                val_prompts["source"], folder, config, tracking, seed)
+        _distil(spec, models, device, counts, train, val, layers, val_prompts["source"],
+                train_prompts["prompt_id"], folder, config, tracking, seed)
 
     results = {spec.name: _measure(spec, out / "sweep" / spec.name, cfg, models)
                for spec in cfg.sweep}
@@ -121,11 +122,11 @@ def _likely_cause(best: dict) -> str:
 
 def draft_prompts(folder: Path, split: str, cap: int | None,
                   domains: dict[str, float] | None) -> dict[str, list[str]]:
-    """The split's texts and sources: its first `cap` (the sources interleaved), or with
+    """The split's ids, texts and sources: its first `cap` (the sources interleaved), or with
     `domains` round(cap * fraction) of each named source's first ones."""
-    rows = read_split(folder, split, ("text", "source"))
+    rows = read_split(folder, split, ("prompt_id", "text", "source"))
     if not rows["text"]:
-        raise SpecstopError(f"{folder}: the draft needs train and val prompts ({split} is empty)")
+        raise SpecstopError(f"{folder}: the draft needs draft and val prompts ({split} is empty)")
     if domains is None:
         return {k: v[:cap] for k, v in rows.items()}
     unknown = sorted(set(domains) - set(rows["source"]))
@@ -164,10 +165,11 @@ def _corpus_summary(folder: Path) -> dict:
 
 def _distil(spec: DraftSpec, models: ModelsConfig, device: torch.device, counts: torch.Tensor,
             train: list[Sequence], val: list[Sequence], layers: tuple[int, ...],
-            val_sources: list[str], folder: Path, config: DraftTrainConfig,
-            tracking: TrackingStore, seed: int) -> None:
+            val_sources: list[str], trained_on: list[str], folder: Path,
+            config: DraftTrainConfig, tracking: TrackingStore, seed: int) -> None:
     """Build one draft from an fp32 copy of the target, distil it, save the folder with its
-    val alpha per source and its alpha on (as many) greedy train responses."""
+    val alpha per source, its alpha on (as many) greedy train responses and the ids of the
+    prompts it learned from (`store.check_held_out`)."""
     target = load_model(models.target, torch.float32, device, models.target_cache)
     eos = target.tokenizer.eos_token_id
     vocab_ids = None if not spec.vocab else most_frequent_tokens(
@@ -193,7 +195,8 @@ def _distil(spec: DraftSpec, models: ModelsConfig, device: torch.device, counts:
             "train_alpha": greedy_agreement(module, greedy_train, config.batch_size),
             "train_seconds_last_run": round(time.perf_counter() - start, 1),
             "train_sequences": len(train),
-            "train_tokens": int(sum(s.ids.shape[0] for s in train)), "seed": seed}
+            "train_tokens": int(sum(s.ids.shape[0] for s in train)), "seed": seed,
+            "trained_on_prompts": trained_on}
     save_draft(folder, draft, spec.family, target.model, vocab_ids, info,
                tokenizer=target.tokenizer)
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)

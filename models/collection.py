@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 from tqdm import tqdm
 
@@ -135,7 +136,24 @@ def _summary(out: Path, parts: list, elapsed: float, world: int) -> dict:
     return {"parts": len(parts), "rows": int(table.num_rows),
             "labelled": int((labels >= 0).sum()), "accepted": int((labels == 1).sum()),
             "rejected": int((labels == 0).sum()), "after_rejection": int((labels < 0).sum()),
+            "by_split": acceptance_by_split(table),
             "last_run_seconds": round(elapsed, 1), "processes": world}
+
+
+def acceptance_by_split(table: pa.Table) -> dict[str, dict]:
+    """Per split: prompts, labelled rows, the share accepted and the first candidate's (depth 1,
+    rank 0) acceptance: a draft that has seen a split's prompts shows there as a higher rate."""
+    rows = table.select(["prompt_id", "split", "label", "depth", "sibling_rank"]).to_pandas()
+    rows = rows[rows["label"] >= 0]
+    first = (rows["depth"] == 1) & (rows["sibling_rank"] == 0)
+    return {str(split): {"prompts": int(group["prompt_id"].nunique()), "labelled": len(group),
+                         "acceptance": _rate(group["label"]),
+                         "first_candidate_acceptance": _rate(group["label"][first[group.index]])}
+            for split, group in rows.groupby("split", sort=True)}
+
+
+def _rate(labels) -> float | None:
+    return round(float(labels.mean()), 4) if len(labels) else None
 
 
 def init_distributed() -> tuple[int, int]:

@@ -8,6 +8,7 @@ from specstop.common.files import folder_lock
 from specstop.common.params import Params
 from specstop.decoder.runtime import decode_config
 from specstop.drafts.loading import load_runtime, require_draft
+from specstop.drafts.store import check_held_out
 from specstop.models import collection
 
 
@@ -18,6 +19,9 @@ def run(params: Params) -> dict | None:
     require_draft(models.draft)
     parts = collection.plan_parts(collect.prompts, collect.splits, collect.part_size,
                                   collect.max_prompts)
+    for split in collect.splits:
+        check_held_out(models.draft, [i for p in parts if p.split == split for i in p.prompt_ids],
+                       f"collect: the {split} prompts of {collect.prompts}")
     with folder_lock(collect.out, "collect") if rank == 0 else nullcontext():
         runtime = load_runtime(models.target, models.draft, models.dtype,
                                collection.process_device(models.device),

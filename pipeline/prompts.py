@@ -17,14 +17,20 @@ from specstop.prompts.self_written import Sample, Writer
 from specstop.prompts.sources import Sampling
 
 
-READERS = {"train": "stage draft", "val": "stage draft",  # each split's first reader (then
+READERS = {"draft": "stage draft", "val": "stage draft",  # each split's first reader (then
            "test": "stage bench"}  # collect reads those of `collect.splits`)
+
+
+def readers(params: Params) -> dict[str, str]:
+    """Split -> the first stage that reads it (the splits that must not be empty)."""
+    return {**READERS, **{split: "stage collect" for split in params.collect.splits
+                          if split not in READERS}}
 
 
 def run(params: Params) -> dict:
     tokenizer = load_tokenizer(params.models.target, params.models.target_cache)
     return build_prompts(params.prompts, lambda request: chat_text(tokenizer, request),
-                         target_writer(params.models), READERS)
+                         target_writer(params.models), readers(params))
 
 
 def target_writer(models: ModelsConfig) -> Writer:

@@ -1,4 +1,10 @@
-"""De-duplicate prompts, split them into train/val/test by prompt, write the splits atomically.
+"""De-duplicate prompts, split them by prompt, write the splits atomically.
+
+The splits keep every learner on prompts of its own: `draft` teaches the draft (stage `draft`),
+`train` the decision models (stage `collect` logs them), `val` measures both, `test` is the
+bench's.  The decision models must not learn from rounds on prompts the draft was distilled on:
+it has learned their responses, and its acceptance there is not the one decoding meets
+(`specstop.drafts.store.check_held_out` refuses the overlap).
 
 A prompt's id is a hash of its normalised request text, so it does not change when sources are
 added; two requests with the same normalised text are one prompt (the first source keeps it).
@@ -23,7 +29,7 @@ from specstop.common.files import write_atomic, write_json
 
 from .sources import SourceRequests
 
-SPLITS = ("train", "val", "test")
+SPLITS = ("draft", "train", "val", "test")
 SCHEMA = pa.schema([(name, pa.string())
                     for name in ("prompt_id", "source", "request", "text", "split")])
 DUPLICATE, OVER_CAP = "duplicate", "over max_prompts"
@@ -47,7 +53,7 @@ def prompt_id(request: str) -> str:
 
 
 def check_fractions(fractions: dict) -> dict[str, float]:
-    """{train, val, test} -> non-negative floats, scaled to sum exactly to 1."""
+    """{draft, train, val, test} -> non-negative floats, scaled to sum exactly to 1."""
     if not isinstance(fractions, dict) or set(fractions) != set(SPLITS):
         raise SpecstopError(f"prompts.fractions: expected a mapping with keys {', '.join(SPLITS)}")
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from specstop.decoder.drafter import ModelDrafter
+from specstop.drafts.store import DRAFT_META_FILE
 from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, generate
 from specstop.decoder.policy import FixedDepth
@@ -59,7 +61,9 @@ def test_collect_writes_labelled_rows_and_resumes(tiny_target, tmp_path, monkeyp
     assert set(table.column("prompt_id").to_pylist()) == {f"p-{r}" for r in REQUESTS}
     for name in ("schema.json", "costs.json"):
         assert (out / name).is_file()
-    assert Path("metrics/collect.json").is_file()
+    by_split = json.loads(Path("metrics/collect.json").read_text())["by_split"]
+    assert {split: v["prompts"] for split, v in by_split.items()} == {"train": 5, "val": 2}
+    assert all(0 <= v["first_candidate_acceptance"] <= 1 for v in by_split.values())
     # resume: a lost part is redone, finished ones are not touched, the data is the same
     stamps = {p: p.stat().st_mtime_ns for p in parts}
     parts[1].unlink()
@@ -71,6 +75,20 @@ def test_collect_writes_labelled_rows_and_resumes(tiny_target, tmp_path, monkeyp
     collect.run(validate(params))
     depths = read_parts(out).column("depth").to_numpy()
     assert depths.max() == 3 and sorted_rows(out) != first
+
+
+def test_collect_refuses_prompts_the_draft_learned_from(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    params = make_workdir(tmp_path, tiny_target)
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / DRAFT_META_FILE).write_text(json.dumps(
+        {"family": "compact", "vocab_ids": None, "trained_on_prompts": ["p-other", "p-fizz buzz"]}))
+    params["models"]["draft"] = str(draft)
+    with pytest.raises(SpecstopError, match=r"^collect: the val prompts of .*: 1 of 2 prompts "
+                       r"\(e.g. p-fizz buzz\) are among those the draft .* was distilled on"):
+        collect.run(validate(params))
+    assert not (tmp_path / "data" / "collect" / "parts").exists()  # refused before any work
 
 
 def logged(out: Path) -> dict[str, bytes]:

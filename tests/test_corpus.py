@@ -91,18 +91,20 @@ def test_sampled_rows_follow_the_seed(target):
 
 def write_split(folder, sources: list[str]) -> None:
     folder.mkdir(exist_ok=True)
-    pq.write_table(pa.table({"text": [f"t{i}" for i in range(len(sources))], "source": sources}),
-                   folder / "train.parquet")
+    pq.write_table(pa.table({"prompt_id": [f"p{i}" for i in range(len(sources))],
+                             "text": [f"t{i}" for i in range(len(sources))], "source": sources}),
+                   folder / "draft.parquet")
 
 
 def test_domains_take_their_share_of_each_source_in_split_order(tmp_path):
     write_split(tmp_path, ["code", "chat", "code", "chat", "code", "code"])
-    assert draft_prompts(tmp_path, "train", None, None)["text"] == [f"t{i}" for i in range(6)]
-    assert draft_prompts(tmp_path, "train", 3, None)["source"] == ["code", "chat", "code"]
-    mixed = draft_prompts(tmp_path, "train", 4, {"code": 0.75, "chat": 0.25})
-    assert mixed == {"text": ["t0", "t1", "t2", "t4"], "source": ["code", "chat", "code", "code"]}
-    with pytest.raises(SpecstopError, match="draft.domains: no train prompts from source 'math'"):
-        draft_prompts(tmp_path, "train", 4, {"code": 0.5, "math": 0.5})
+    assert draft_prompts(tmp_path, "draft", None, None)["text"] == [f"t{i}" for i in range(6)]
+    assert draft_prompts(tmp_path, "draft", 3, None)["source"] == ["code", "chat", "code"]
+    mixed = draft_prompts(tmp_path, "draft", 4, {"code": 0.75, "chat": 0.25})
+    assert mixed == {"prompt_id": ["p0", "p1", "p2", "p4"], "text": ["t0", "t1", "t2", "t4"],
+                     "source": ["code", "chat", "code", "code"]}
+    with pytest.raises(SpecstopError, match="draft.domains: no draft prompts from source 'math'"):
+        draft_prompts(tmp_path, "draft", 4, {"code": 0.5, "math": 0.5})
 
 
 def test_a_corpus_resumes_its_shards_and_times_the_ones_it_made(tiny_model_dir, tmp_path):

@@ -372,6 +372,13 @@ CASES: dict[str, Case] = {
                             {"models": {"target": "<tiny>"},
                              "prompts": {"sources": [{"path": "qs.jsonl", "field": "q"}]}},
                             setup=_prompt_rows("Write a sort.", "Explain a heap.")),
+    "no-decision-model-prompts": Case(
+        ["prompts"], "prompts: the train split would be empty (8 distinct prompts in all, cut "
+        "by prompts.fractions) and stage collect reads it",
+        {"models": {"target": "<tiny>"},
+         "prompts": {"fractions": {"draft": 0.5, "train": 0, "val": 0.25, "test": 0.25},
+                     "sources": [{"path": "qs.jsonl", "field": "q"}]}},
+        setup=_prompt_rows(*[f"Task {i}." for i in range(8)])),
     "thirty-identical-prompt-rows": Case(
         ["prompts"], "prompts: the val split would be empty (1 distinct prompts in all",
         {"models": {"target": "<tiny>"},
@@ -484,7 +491,7 @@ BAD_SECTIONS: dict[str, tuple[dict, str]] = {
     "costs": (_set("costs", "widths", [0]), "costs.widths[0]: expected an integer >= 1"),
     "decode": (_set("decode", "gamma", 9), "decode: gamma: 9 levels do not fit in max_depth 8"),
     "prompts": (_set("prompts", "fractions", {"train": 1.0}), "prompts.fractions: expected a "
-                "mapping with keys train, val, test"),
+                "mapping with keys draft, train, val, test"),
     "draft": (_set("draft", "train", "lr", 0), "draft.train.lr: expected a number > 0"),
     "mlflow": (_set("mlflow", "experiment", ""), "mlflow.experiment: expected a string"),
     "collect": (_set("collect", "splits", ["dev"]), "collect.splits[0]: expected one of"),

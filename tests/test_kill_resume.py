@@ -32,7 +32,8 @@ ENV = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"},
        "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 REQUESTS = [f"task {i}: {verb} a list" for i, verb in
             enumerate(["sort", "reverse", "sum", "count", "filter", "print", "copy", "merge"])]
-TRAIN = 5  # the first TRAIN requests are train prompts, the others val prompts
+TRAIN = 5  # the first TRAIN requests are the draft and train prompts (the collect runs draft
+# with layers:1, which learned from nothing), the others val prompts
 COLLECT_PARTS = len(REQUESTS)  # part_size 1
 DRAFT = "feature-l1-v256"
 SAMPLES, BATCH = 2, 2
@@ -45,7 +46,8 @@ def workdir(folder: Path, target: Path) -> Path:
     paths, so every folder runs the same settings)."""
     folder.mkdir()
     write_chat_prompts(folder / "data" / "prompts", target,
-                       {"train": REQUESTS[:TRAIN], "val": REQUESTS[TRAIN:]})
+                       {"draft": REQUESTS[:TRAIN], "train": REQUESTS[:TRAIN],
+                        "val": REQUESTS[TRAIN:]})
     params = {
         "models": {"target": str(target), "draft": "layers:1", "dtype": "float32",
                    "device": "cpu"},
@@ -230,7 +232,9 @@ def test_killed_draft_resumes_to_the_same_weights(tiny_target, mlflow_db, draft_
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
     assert curve(sweep) == curve(reference)
     assert read_meta(sweep)["train_metrics"] == read_meta(reference)["train_metrics"]
-    assert json.loads((out / "default" / DRAFT_META_FILE).read_text())["name"] == DRAFT
+    published = json.loads((out / "default" / DRAFT_META_FILE).read_text())
+    assert published["name"] == DRAFT  # and it names the prompts it learned from
+    assert published["trained_on_prompts"] == [f"p-{r}" for r in REQUESTS[:TRAIN]]
     assert "not resumable" not in log(folder, "draft")  # Lightning's mid-epoch warning
     assert leftover_temp_files(out) == []
 

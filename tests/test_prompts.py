@@ -24,7 +24,7 @@ from specstop.prompts.sources import (SourceRequests, parse_source, parse_source
 from specstop.prompts.splits import (SPLITS, check_fractions, prompt_id, split_prompts,
                                              write_split)
 
-FRACTIONS = {"train": 0.7, "val": 0.15, "test": 0.15}
+FRACTIONS = {"draft": 0.5, "train": 0.2, "val": 0.15, "test": 0.15}
 GOOD = [{"q": "What is 2 + 2?"}, {"q": "Name a prime."}, {"q": "  What is 2 +  2?\n"}]
 BAD = [{"other": "x"}, {"q": 7}, {"q": "   "}, {"q": None}]  # missing, non-string, empty, null
 BAD_REASONS = {"missing field 'q'": 2, "non-string field 'q'": 1, "empty field 'q'": 1}
@@ -128,7 +128,7 @@ def test_splits_are_disjoint_sized_and_seeded():
     requests = [f"question {i}" for i in range(200)]
     first = split_of(requests, seed=0)
     assert len(first) == 200  # each prompt in exactly one split
-    assert Counter(first.values()) == {"train": 140, "val": 30, "test": 30}
+    assert Counter(first.values()) == {"draft": 100, "train": 40, "val": 30, "test": 30}
     assert split_of(list(reversed(requests)), seed=0) == first  # file order does not matter
     assert split_of(requests, seed=1) != first
 
@@ -146,7 +146,7 @@ def test_cap_keeps_a_seeded_sample():
     source_ = requests_source("s", requests, cap=10)
     prompts = split_prompts([source_], FRACTIONS, seed=0)
     assert len(prompts) == 10 and source_.skipped == {"over max_prompts": 40}
-    assert Counter(p.split for p in prompts) == {"train": 7, "val": 2, "test": 1}
+    assert Counter(p.split for p in prompts) == {"draft": 5, "train": 2, "val": 2, "test": 1}
     assert {p.request for p in prompts} != set(requests[:10])
 
 
@@ -267,10 +267,10 @@ def test_cli_prompts_end_to_end(tmp_path: Path, embedded_dir: Path):
     result = run_cli(["prompts"], tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0] == ("local: 22 rows -> 20 prompts (train 14, val 3, test 3); "
+    assert lines[0] == ("local: 22 rows -> 20 prompts (draft 10, train 4, val 3, test 3); "
                         "skipped 2: 1 duplicate, 1 empty field 'q'")
     assert lines[1].startswith("humaneval: 164 rows -> 164 prompts")
-    assert lines[-1].startswith("184 prompts (train 129, ")
+    assert lines[-1].startswith("184 prompts (draft 92, train 37, ")
     out = tmp_path / "out" / "prompts"
     tables = {split: pq.read_table(out / f"{split}.parquet").to_pylist() for split in SPLITS}
     assert all({"prompt_id", "source", "request", "text", "split"} <= set(rows_[0])
@@ -284,8 +284,9 @@ def test_cli_prompts_end_to_end(tmp_path: Path, embedded_dir: Path):
     assert summary["sources"]["local"]["skipped"] == {"duplicate": 1, "empty field 'q'": 1}
     assert summary["sources"]["humaneval"]["prompts"] == 164
     assert sum(summary["splits"].values()) == 184
-    assert sorted(p.name for p in out.iterdir()) == ["summary.json", "test.parquet",
-                                                     "train.parquet", "val.parquet"]
+    assert sorted(p.name for p in out.iterdir()) == ["draft.parquet", "summary.json",
+                                                     "test.parquet", "train.parquet",
+                                                     "val.parquet"]
 
     params["prompts"]["sources"][0]["path"] = "absent.jsonl"
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
