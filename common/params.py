@@ -129,12 +129,31 @@ class PromptsConfig(Section):
         [{"embedded": "humaneval"}, {"embedded": "magpie", "max_prompts": 200}], min_length=1)
 
 
+class TextCorpusConfig(Section):
+    """Teacher-forced text beside the target's responses (drafts/text_corpus.py)."""
+
+    tokens: NonNegInt = 0  # teacher-labelled tokens in all; 0 = off
+    sources: dict[str, UnitFraction] = {"code": 0.5, "docs": 0.5}  # share per source: code
+    # (the Python standard library's .py files), docs (installed packages' .md/.rst), or a
+    # path (a file, or a folder's .py/.md/.rst/.txt files)
+    window: Annotated[int, Field(ge=2)] = 256  # tokens per forward row
+    batch_size: PosInt = 8  # windows per forward
+
+    @model_validator(mode="after")
+    def _shares_sum_to_one(self) -> "TextCorpusConfig":
+        if abs(sum(self.sources.values()) - 1) > 1e-6:
+            raise PydanticCustomError(CROSS_KEY, "sources: the shares must sum to 1, got "
+                                      f"{sum(self.sources.values()):g}")
+        return self
+
+
 class CorpusConfig(Section):
     temperatures: list[Temperature] = Field([0.0, 0.7, 1.0], min_length=1)  # one response per
     # entry (0 = greedy); val responses are greedy
     max_new_tokens: PosInt = 128
     batch_size: PosInt = 16
     top_k: PosInt = 16  # teacher probabilities kept per position
+    text: TextCorpusConfig = TextCorpusConfig()  # teacher-forced text (train only)
 
 
 class DraftSpec(Section):

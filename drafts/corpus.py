@@ -28,6 +28,7 @@ from specstop.decoder.kv import InPlaceLayer, cache_keyword
 
 HEAD_CHUNK = 256  # positions per output-layer call over a prompt: bounds the [n, V] logits
 TIMING = "timing.json"  # seconds and tokens per generated shard
+RESPONSE = "response"  # the source of a sequence the target decoded
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Sequence:
     top_probs: torch.Tensor  # [T, K] float16
     prompt_index: int  # the prompt's index in the corpus' prompt list
     temperature: float  # the response's sampling temperature (0 = greedy)
+    source: str = RESPONSE  # a target response, or the teacher-forced text source it is from
 
 
 def build_corpus(model, tokenizer, prompts: list[str], folder: Path, config: CorpusConfig,
@@ -50,7 +52,7 @@ def build_corpus(model, tokenizer, prompts: list[str], folder: Path, config: Cor
     resume only a run with the same prompts, settings, layers, seed and target
     (`recipe.json`); otherwise the old shards are moved under `stale_root` and the folder
     starts afresh."""
-    recipe = {"config": config.model_dump(), "layers": list(layers), "seed": seed,
+    recipe = {"config": config.model_dump(exclude={"text"}), "layers": list(layers), "seed": seed,
               "target": model.name_or_path,
               "prompts": hashlib.sha256("\0".join(prompts).encode()).hexdigest()}
     resume_or_set_aside(folder, recipe, stale_root, f"draft corpus {folder}")
@@ -68,13 +70,8 @@ def build_corpus(model, tokenizer, prompts: list[str], folder: Path, config: Cor
             start = time.perf_counter()
             made = _generate_batch(model, [(torch.tensor(encoded[i]), i, t) for _, i, t in batch],
                                    config, layers, tokenizer.eos_token_id, seed * 100_003 + index)
-            write_atomic(shard, lambda tmp: torch.save([s.__dict__ for s in made], tmp))
-            timing[shard.name] = {"seconds": round(time.perf_counter() - start, 3),
-                                  "tokens": sum(s.ids.shape[0] for s in made),
-                                  "response_tokens": sum(s.ids.shape[0] - s.prompt_len
-                                                         for s in made)}
-            write_json(folder / TIMING, timing)
-        loaded = [Sequence(**d) for d in torch.load(shard, weights_only=True)]
+            save_shard(shard, made, time.perf_counter() - start, timing)
+        loaded = load_shard(shard)
         sequences += loaded
         tokens += sum(s.ids.shape[0] - s.prompt_len for s in loaded)
         progress.set_postfix(response_tokens=tokens)
@@ -116,7 +113,7 @@ def _generate_batch(model, rows: list[tuple[torch.Tensor, int, float]], config: 
         lengths = lengths + 1
         logits = out.logits[:, -1].float()
         top = _top_k(logits, config.top_k)
-        step_hidden = _layers(out.hidden_states, layers)[:, -1]
+        step_hidden = layer_states(out.hidden_states, layers)[:, -1]
         for j, row in enumerate(active.tolist()):
             records[row].append((step_hidden[j:j + 1], top[0][j:j + 1], top[1][j:j + 1]))
         done = torch.tensor([responses[row][-1] == eos
@@ -134,7 +131,7 @@ def _generate_batch(model, rows: list[tuple[torch.Tensor, int, float]], config: 
 def _prefill(model, prompts: list[torch.Tensor], cache: Cache, cache_kw: str,
              layers: tuple[int, ...], top_k: int) -> tuple[torch.Tensor, torch.Tensor, list]:
     """One left-padded pass over `prompts` into `cache`: the attention mask [U, width], the
-    next-token logits [U, V] and each prompt's records (`_prompt_records`)."""
+    next-token logits [U, V] and each prompt's records (`position_records`)."""
     device = model.device
     width = max(p.shape[0] for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -145,14 +142,15 @@ def _prefill(model, prompts: list[torch.Tensor], cache: Cache, cache_kw: str,
     ids, mask = ids.to(device), mask.to(device)
     out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_min(0),
                 **{cache_kw: cache}, use_cache=True, output_hidden_states=True, logits_to_keep=1)
-    hidden, last = _layers(out.hidden_states, layers), out.hidden_states[-1]
+    hidden, last = layer_states(out.hidden_states, layers), out.hidden_states[-1]
     head = model.get_output_embeddings()
-    records = [_prompt_records(hidden[i, width - p.shape[0]:], last[i, width - p.shape[0]:],
+    records = [position_records(hidden[i, width - p.shape[0]:], last[i, width - p.shape[0]:],
                                head, top_k) for i, p in enumerate(prompts)]
     return mask, out.logits[:, -1].float(), records
 
 
-def _layers(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:
+def layer_states(hidden_states: tuple[torch.Tensor, ...],
+                 layers: tuple[int, ...]) -> torch.Tensor:
     """[B, T, L, H]: the hidden states of `layers`."""
     return torch.stack([hidden_states[i] for i in layers], dim=2)
 
@@ -163,7 +161,7 @@ def _top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return top.indices, (top.values - logits.logsumexp(dim=-1, keepdim=True)).exp()
 
 
-def _prompt_records(hidden: torch.Tensor, last: torch.Tensor, head: torch.nn.Module,
+def position_records(hidden: torch.Tensor, last: torch.Tensor, head: torch.nn.Module,
                     k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden [P, L, H], top ids, top probs) of a prompt's positions; the teacher's logits
     come from the output layer over the last layer's normed states `last` [P, H], a chunk at
@@ -202,6 +200,20 @@ def _sequence(prompt: torch.Tensor, response: list[int], records: list[tuple], i
                     top_probs.half().cpu(), index, temperature)
 
 
+def save_shard(shard: Path, made: list[Sequence], seconds: float, timing: dict) -> None:
+    """Write a shard atomically and add its seconds and tokens to `timing` and its folder's
+    `timing.json` (`response_tokens`: the positions after the prompt)."""
+    write_atomic(shard, lambda tmp: torch.save([s.__dict__ for s in made], tmp))
+    timing[shard.name] = {"seconds": round(seconds, 3),
+                          "tokens": sum(s.ids.shape[0] for s in made),
+                          "response_tokens": sum(s.ids.shape[0] - s.prompt_len for s in made)}
+    write_json(shard.parent / TIMING, timing)
+
+
+def load_shard(shard: Path) -> list[Sequence]:
+    return [Sequence(**d) for d in torch.load(shard, weights_only=True)]
+
+
 def read_timing(folder: Path) -> dict[str, dict]:
     """Seconds and tokens of each shard generated in `folder` (`timing.json`)."""
     path = Path(folder) / TIMING
@@ -218,9 +230,10 @@ def corpus_timing(folder: Path) -> dict:
 
 
 def token_counts(sequences: list[Sequence], vocab: int) -> torch.Tensor:
-    """How often the target emitted each token in the responses (for vocabulary pruning)."""
+    """How often the target emitted each token in the responses (for vocabulary pruning;
+    teacher-forced text is not counted)."""
     counts = torch.zeros(vocab, dtype=torch.long)
-    for s in sequences:
+    for s in (s for s in sequences if s.source == RESPONSE):
         counts += torch.bincount(s.ids[s.prompt_len:], minlength=vocab)[:vocab]
         counts += torch.bincount(s.top_ids[s.prompt_len - 1:, 0].long(), minlength=vocab)[:vocab]
     return counts

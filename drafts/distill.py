@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Sampler
 from specstop.common.params import DraftTrainConfig
 from specstop.decoder.load import native_bf16, resolve_device  # accelerator="auto"
 
-from .corpus import Sequence
+from .corpus import RESPONSE, Sequence
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -53,6 +53,8 @@ class DraftDistiller(pl.LightningModule):
         self.last_index = corpus_layers.index(-1)
         self.input_index = [corpus_layers.index(i) for i in getattr(draft, "target_layers", ())]
         self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))  # checkpointed
+        self.register_buffer("text_tokens_seen", torch.zeros((), dtype=torch.long))  # of those,
+        # in teacher-forced text
         ids = torch.arange(vocab_size) if vocab_ids is None else vocab_ids
         to_pruned = torch.full((vocab_size,), -1, dtype=torch.long)
         to_pruned[ids] = torch.arange(ids.shape[0])
@@ -114,8 +116,10 @@ class DraftDistiller(pl.LightningModule):
     def training_step(self, batch: dict, _: int) -> torch.Tensor:
         loss, alpha, parts = self(batch)
         self.tokens_seen += batch["mask"].sum()
+        self.text_tokens_seen += batch["mask"][batch["text"]].sum()
         self.log_dict({"train_loss": loss, "train_alpha": alpha,
                        "tokens_seen": self.tokens_seen.float(),
+                       "text_tokens_seen": self.text_tokens_seen.float(),
                        **{f"train_{k}": v for k, v in parts.items()}},
                       batch_size=batch["ids"].shape[0])
         return loss
@@ -154,7 +158,8 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def collate(sequences: list[Sequence]) -> dict:
-    """Right-padded batch: ids, hidden [n, T, L, H], teacher top-k, loss mask, response mask."""
+    """Right-padded batch: ids, hidden [n, T, L, H], teacher top-k, loss mask, response mask,
+    and which sequences are teacher-forced text [n]."""
     n, length = len(sequences), max(s.ids.shape[0] for s in sequences)
     k, layers = sequences[0].top_ids.shape[1], sequences[0].hidden.shape[1:]
     batch = {"ids": torch.zeros(n, length, dtype=torch.long),
@@ -162,7 +167,8 @@ def collate(sequences: list[Sequence]) -> dict:
              "top_ids": torch.zeros(n, length, k, dtype=torch.int32),
              "top_probs": torch.zeros(n, length, k, dtype=torch.float16),
              "mask": torch.zeros(n, length, dtype=torch.bool),
-             "response": torch.zeros(n, length, dtype=torch.bool)}
+             "response": torch.zeros(n, length, dtype=torch.bool),
+             "text": torch.tensor([s.source != RESPONSE for s in sequences])}
     for i, s in enumerate(sequences):
         t = s.ids.shape[0]
         batch["ids"][i, :t] = s.ids
@@ -239,9 +245,9 @@ class ExactResume(pl.Callback):
 
 
 class LearningCurve(pl.Callback):
-    """Appends (step, training seconds, sequences seen, tokens seen, val loss, val alpha) at
-    each validation to a CSV; training seconds survive a resume (Lightning's Timer is
-    checkpointed), tokens seen too (a buffer of the module)."""
+    """Appends (step, training seconds, sequences seen, tokens seen, of them in teacher-forced
+    text, val loss, val alpha) at each validation to a CSV; training seconds survive a resume
+    (Lightning's Timer is checkpointed), tokens seen too (buffers of the module)."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -255,9 +261,11 @@ class LearningCurve(pl.Callback):
         new = not self.path.is_file()
         with self.path.open("a") as f:
             if new:
-                f.write("step,train_seconds,sequences_seen,tokens_seen,val_loss,val_alpha\n")
+                f.write("step,train_seconds,sequences_seen,tokens_seen,text_tokens_seen,"
+                        "val_loss,val_alpha\n")
             f.write(f"{trainer.global_step},{timer.time_elapsed('train'):.1f},"
                     f"{trainer.global_step * module.config.batch_size},{int(module.tokens_seen)},"
+                    f"{int(module.text_tokens_seen)},"
                     f"{float(metrics['val_loss']):.5f},{float(metrics['val_alpha']):.5f}\n")
 
 

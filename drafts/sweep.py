@@ -36,12 +36,13 @@ from specstop.decoder.loop import DecodeConfig
 from specstop.evaluation.side_by_side import bench
 from specstop.prompts.splits import read_split
 
-from .corpus import Sequence, build_corpus, corpus_timing, token_counts
+from .corpus import RESPONSE, Sequence, build_corpus, corpus_timing, token_counts
 from .distill import DraftDistiller, fit, greedy_agreement, read_curve, resolve_precision
 from .families import (LAST_LAYER, build_compact, build_feature_head, fusion_layers,
                        most_frequent_tokens)
 from .loading import load_runtime
 from .store import read_meta, save_draft
+from .text_corpus import build_text_corpus
 
 STALE = "stale"  # corpora and drafts made with other settings are moved here, never deleted
 
@@ -83,7 +84,7 @@ def run(cfg: DraftConfig, models: ModelsConfig, tracking: TrackingStore) -> dict
     _publish(out / "sweep" / winner, out / "default")
     best = results[winner]
     warning = _useless_draft_warning(best, train_config.precision)
-    corpus = _corpus_summary(out / "corpus")
+    corpus = _corpus_summary(out / "corpus", cfg.corpus.text.tokens > 0)
     write_json(cfg.metrics,
                {"alpha": best["alpha"], "alpha_by_domain": best["alpha_by_domain"],
                 "train_alpha": best["train_alpha"], "c": best["c"], "default": winner,
@@ -149,18 +150,25 @@ def corpus_layers(sweep: list[DraftSpec], num_layers: int) -> tuple[int, ...]:
 
 def _corpora(cfg: DraftConfig, train_texts: list[str], val_texts: list[str], target,
              layers: tuple[int, ...], out: Path) -> tuple[list[Sequence], list[Sequence]]:
-    """Train responses (at every corpus temperature), held-out val responses (greedy)."""
+    """Train responses (at every corpus temperature) and teacher-forced text (`text`, where
+    on), held-out val responses (greedy)."""
     val = build_corpus(target.model, target.tokenizer, val_texts, out / "corpus" / "val",
                        cfg.corpus.model_copy(update={"temperatures": [0.0]}), layers, cfg.seed,
                        "val responses", out / STALE)
     train = build_corpus(target.model, target.tokenizer, train_texts, out / "corpus" / "train",
                          cfg.corpus, layers, cfg.seed, "train responses", out / STALE)
+    text = cfg.corpus.text
+    if text.tokens:
+        train += build_text_corpus(target.model, target.tokenizer, text, cfg.corpus.top_k,
+                                   out / "corpus" / "text", layers, cfg.seed, out / STALE)
     return train, val
 
 
-def _corpus_summary(folder: Path) -> dict:
-    """Per split: responses, tokens and the generation's tokens/s (`corpus_timing`)."""
-    return {split: corpus_timing(folder / split) for split in ("train", "val")}
+def _corpus_summary(folder: Path, text: bool) -> dict:
+    """Per corpus (train, val and the teacher-forced text where on): sequences, tokens and the
+    labelling's tokens/s (`corpus_timing`)."""
+    splits = ("train", "val", "text") if text else ("train", "val")
+    return {split: corpus_timing(folder / split) for split in splits}
 
 
 def _distil(spec: DraftSpec, models: ModelsConfig, device: torch.device, counts: torch.Tensor,
@@ -189,7 +197,7 @@ def _distil(spec: DraftSpec, models: ModelsConfig, device: torch.device, counts:
     by_domain = {name: greedy_agreement(
         module, [s for s in val if val_sources[s.prompt_index] == name], config.batch_size)
         for name in sorted(set(val_sources))}
-    greedy_train = [s for s in train if s.temperature == 0][: len(val)]
+    greedy_train = [s for s in train if s.source == RESPONSE and s.temperature == 0][: len(val)]
     info = {"name": spec.name, "layers": spec.layers, "train_metrics": metrics,
             "alpha_by_domain": by_domain,
             "train_alpha": greedy_agreement(module, greedy_train, config.batch_size),
@@ -306,15 +314,18 @@ def _publish(source: Path, dest: Path) -> None:
 
 
 def _write_plots(folder: Path, results: dict, sweep: Path) -> None:
-    """DVC plot data: the sweep (alpha, c, predicted vs measured) and each learning curve."""
+    """DVC plot data: the sweep (alpha, c, predicted vs measured) and each learning curve
+    (against seconds, and tokens seen in all, in responses and in teacher-forced text)."""
     rows = ["draft,alpha,c,predicted_speedup,measured_speedup"] + [
         f"{name},{r['alpha']:.4f},{r['c']:.4f},{r['predicted_speedup']:.4f},"
         f"{r['measured_speedup']:.4f}" for name, r in results.items()]
     write_atomic(folder / "sweep.csv", lambda tmp: tmp.write_text("\n".join(rows) + "\n"))
-    curve = ["draft,step,train_seconds,sequences_seen,tokens_seen,val_alpha"]
+    curve = ["draft,step,train_seconds,sequences_seen,tokens_seen,response_tokens_seen,"
+             "text_tokens_seen,val_alpha"]
     for name in results:
         curve += [f"{name},{int(r['step'])},{r['train_seconds']:.1f},{int(r['sequences_seen'])},"
-                  f"{int(r['tokens_seen'])},{r['val_alpha']:.4f}"
+                  f"{int(r['tokens_seen'])},{int(r['tokens_seen'] - r['text_tokens_seen'])},"
+                  f"{int(r['text_tokens_seen'])},{r['val_alpha']:.4f}"
                   for r in read_curve(sweep / name / "curve.csv")]
     write_atomic(folder / "learning_curve.csv", lambda tmp: tmp.write_text("\n".join(curve) + "\n"))
 

@@ -1,7 +1,8 @@
 """The draft corpus' batched generation on a tiny random target: the teacher's data it keeps at
 every position equals a fresh teacher-forced pass, greedy rows equal `ar`, rows end at their
 EOS or budget, and a batch of mixed prompt lengths and temperatures changes none of that; the
-train prompts' mix of sources."""
+train prompts' mix of sources; the teacher-forced text corpus: the same fields and teacher
+data, its shards resumed, a bad source named by its key."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specstop.common.errors import SpecstopError
-from specstop.common.params import CorpusConfig
+from specstop.common.params import CorpusConfig, TextCorpusConfig
 from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, generate
 from specstop.drafts.corpus import Sequence, _generate_batch, build_corpus, corpus_timing
 from specstop.drafts.sweep import draft_prompts
+from specstop.drafts.text_corpus import build_text_corpus, label_windows, source_files
 
 from conftest import tiny_llama
 
@@ -124,3 +126,59 @@ def test_a_corpus_resumes_its_shards_and_times_the_ones_it_made(tiny_model_dir, 
                          tmp_path / "old")
     assert all(torch.equal(a.ids, b.ids) and torch.equal(a.hidden, b.hidden)
                for a, b in zip(made, again))
+
+
+def test_teacher_forced_windows_hold_the_decoded_fields_and_a_plain_forwards_top_k(target):
+    decoded = _generate_batch(target, prompt_rows([0.0]), CorpusConfig(
+        temperatures=[0.0], max_new_tokens=4, batch_size=1, top_k=TOP_K), LAYERS, None, 0)[0]
+    windows = torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(1))
+    made = label_windows(target, windows, ["code", "docs", "code"], LAYERS, TOP_K, first=6)
+    assert [(s.source, s.prompt_index, s.prompt_len) for s in made] == [
+        ("code", 6, 1), ("docs", 7, 1), ("code", 8, 1)]
+    assert decoded.source == "response"
+    for sequence, ids in zip(made, windows):
+        assert sequence.__dict__.keys() == decoded.__dict__.keys()
+        assert all(getattr(sequence, k).dtype == v.dtype and getattr(sequence, k).shape[1:]
+                   == v.shape[1:] for k, v in decoded.__dict__.items() if torch.is_tensor(v))
+        assert torch.equal(sequence.ids, ids)
+        assert_matches_a_fresh_pass(target, sequence)
+
+
+def write_sources(folder) -> None:
+    folder.mkdir()
+    (folder / "a.py").write_text("def add(a, b):\n    return a + b\n" * 20)
+    (folder / "b.md").write_text("# Colours\n\nRed, green and blue are colours.\n" * 20)
+    (folder / "skipped.json").write_text("{}")
+
+
+def test_a_text_corpus_resumes_after_a_lost_shard(tiny_model_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    write_sources(tmp_path / "src")
+    assert [p.name for p in source_files(str(tmp_path / "src"))] == ["a.py", "b.md"]
+    config = TextCorpusConfig(tokens=80, sources={str(tmp_path / "src"): 1.0}, window=16,
+                              batch_size=2)
+    folder = tmp_path / "text"
+    made = build_text_corpus(model, tokenizer, config, TOP_K, folder, (-1,), 0, tmp_path / "old")
+    assert len(made) == 5 and all(s.ids.shape == (16,) for s in made)
+    timing = corpus_timing(folder)
+    assert timing["shards"] == 3 and timing["response_tokens"] == 5 * 15
+    (folder / "shard-00001.pt").unlink()
+    again = build_text_corpus(model, tokenizer, config, TOP_K, folder, (-1,), 0, tmp_path / "old")
+    assert all(torch.equal(a.ids, b.ids) and torch.equal(a.top_probs, b.top_probs)
+               for a, b in zip(made, again))
+    with pytest.raises(SpecstopError, match="fewer than its share"):
+        build_text_corpus(model, tokenizer, config.model_copy(update={"tokens": 10**6}),
+                          TOP_K, folder, (-1,), 0, tmp_path / "old")
+
+
+def test_a_bad_text_source_is_a_one_line_error_naming_the_key(tmp_path):
+    with pytest.raises(SpecstopError, match=r"^draft\.corpus\.text\.sources: 'no/such' is "
+                                            r"neither code nor docs nor an existing file"):
+        source_files("no/such")
+    (tmp_path / "data.json").write_text("{}")
+    with pytest.raises(SpecstopError, match="holds no .py/.md/.rst/.txt files"):
+        source_files(str(tmp_path))
+    code = source_files("code")
+    assert code == sorted(code) and all(p.suffix == ".py" and "site-packages" not in p.parts
+                                        for p in code)

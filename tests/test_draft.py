@@ -241,11 +241,15 @@ def test_token_counts_cover_responses_and_teacher_choices(target):
     expected = sum(s.ids.shape[0] - s.prompt_len + s.ids.shape[0] - s.prompt_len + 1
                    for s in corpus)
     assert int(counts.sum()) == expected
+    text = [Sequence(**{**s.__dict__, "source": "code"}) for s in fake_corpus(target, 2, 3)]
+    assert torch.equal(token_counts(corpus + text, VOCAB), counts)  # responses only
 
 
 def test_training_resumes_from_its_last_checkpoint(target, tmp_path: Path):
-    """A second `fit` on the same folder continues from last.ckpt (steps and curve carry on)."""
-    corpus = fake_corpus(target, 8, seed=3)
+    """A second `fit` on the same folder continues from last.ckpt (steps and curve carry on,
+    tokens seen counted in all and in teacher-forced text)."""
+    corpus = [Sequence(**{**s.__dict__, "source": "code"}) if i % 3 == 0 else s
+              for i, s in enumerate(fake_corpus(target, 8, seed=3))]
 
     def run(epochs: int) -> dict:
         torch.manual_seed(0)
@@ -261,9 +265,11 @@ def test_training_resumes_from_its_last_checkpoint(target, tmp_path: Path):
     assert resumed["global_step"] == 4 and resumed["epoch"] == 1
     curve = read_curve(tmp_path / "curve.csv")
     assert [int(row["step"]) for row in curve] == [1, 2, 3, 4]  # one validation per step
-    taught = [sum(s.ids.shape[0] - 1 for s in batch) for epoch in (0, 1)
-              for batch in _epoch_batches(corpus, 4, epoch)]
+    batches = [batch for epoch in (0, 1) for batch in _epoch_batches(corpus, 4, epoch)]
+    taught = [sum(s.ids.shape[0] - 1 for s in batch) for batch in batches]
     assert [int(row["tokens_seen"]) for row in curve] == list(itertools.accumulate(taught))
+    text = [sum(s.ids.shape[0] - 1 for s in batch if s.source == "code") for batch in batches]
+    assert [int(row["text_tokens_seen"]) for row in curve] == list(itertools.accumulate(text))
 
 
 def _epoch_batches(corpus: list[Sequence], size: int, epoch: int) -> list[list[Sequence]]:
