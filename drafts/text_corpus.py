@@ -34,7 +34,6 @@ KEY = "draft.corpus.text.sources"
 NAMED = {"code": (sysconfig.get_paths()["stdlib"], (".py",)),
          "docs": (sysconfig.get_paths()["purelib"], (".md", ".rst"))}
 PATH_SUFFIXES = (".py", ".md", ".rst", ".txt")
-SKIPPED = ("site-packages", ".dist-info")  # the stdlib's installed packages; package metadata
 
 
 def build_text_corpus(model, tokenizer, config: TextCorpusConfig, top_k: int, folder: Path,
@@ -110,11 +109,15 @@ def source_files(name: str) -> list[Path]:
         raise SpecstopError(f"{KEY}: '{name}' is neither {' nor '.join(NAMED)} nor an existing "
                             f"file or folder")
     files = sorted(p for p in root.rglob("*") if p.suffix in suffixes and p.is_file()
-                   and not any(part == SKIPPED[0] or part.endswith(SKIPPED[1])
-                               for part in p.relative_to(root).parts))
+                   and not any(map(_skipped, p.relative_to(root).parts)))
     if not files:
         raise SpecstopError(f"{KEY}: '{name}' holds no {'/'.join(suffixes)} files")
     return files
+
+
+def _skipped(part: str) -> bool:
+    """A folder not read: the stdlib's installed packages, a package's metadata."""
+    return part == "site-packages" or part.endswith(".dist-info")
 
 
 def _token_stream(files: list[Path], tokenizer, need: int, seed: int) -> torch.Tensor:
