@@ -97,6 +97,7 @@ def _method(result: MethodResult, n: int, greedy: bool) -> dict:
            "draft_steps": s.draft_steps, "new_tokens": s.new_tokens, "seconds": s.seconds,
            "drafted_tokens": s.drafted_tokens, "verified_tokens": s.verified_tokens,
            "decision_share": s.decision_seconds / s.seconds if s.seconds > 0 else 0.0,
+           "gated_share": s.gated / max(s.target_calls - n, 1),  # rounds (prefills aside)
            "exact_match_vs_ar": result.identical_to_ar / n,
            "mean_target_logprob": result.mean_logprob(n)}
     if greedy:

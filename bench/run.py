@@ -181,8 +181,8 @@ def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
                  **{f"ti-mcsd+{f}": p.meta["simulated_speedup"] for f, p in families.items()},
                  "static-tree": trees["static_tree"]["simulated_speedup"],
                  "tree+confidence": trees["confidence_tree"]["simulated_speedup"],
-                 "tree+stop_model": winner.meta["tree_speedup"],
-                 **{f"tree+{f}": p.meta["tree_speedup"] for f, p in families.items()}}
+                 "tree+stop_model": _tree_speedup(winner.meta),
+                 **{f"tree+{f}": _tree_speedup(p.meta) for f, p in families.items()}}
     peer, note = _peer_draft(config.assistant_draft, models.draft)
     measured = draft.get("drafts", {}).get(Path(peer).name, {}) if peer else {}
     return Plan(sd_gamma=sd_gamma, static_gamma=static_gamma,
@@ -195,6 +195,12 @@ def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
                 simulated=simulated, peer_draft=peer, peer_note=note,
                 peer_gamma=int(measured.get("best_gamma") or sd_gamma)
                 if peer != models.draft else sd_gamma)
+
+
+def _tree_speedup(meta: dict) -> float:
+    """A stop model's replayed `tree` speed, behind its round gate (1 where it falls back to
+    `ar`)."""
+    return meta.get("gated_speedup") or meta["tree_speedup"]
 
 
 def _peer_draft(preferred: str | None, default: str) -> tuple[str | None, str]:

@@ -5,7 +5,8 @@ State between rounds is the target's KV cache (every committed token) and `r`, t
 the next token is drawn from.  A round (1) draws the root(s) from r, (2) `propose`s: drafts the
 method's static tree below them level by level until the stopping policy or the tree's depth
 says stop (`tree`: drafts a dynamic tree and keeps the nodes worth verifying,
-`dynamic.propose_tree`), (3) `score`s the tree in one target pass under its tree mask, (4)
+`dynamic.propose_tree`; a `tree` round its policy's `round_gate` keeps from drafting proposes
+the root alone, `ar`'s step), (3) `score`s the tree in one target pass under its tree mask, (4)
 `verify`s, (5) `commit`s the accepted path to both caches.  The steps talk through the contracts
 of `contracts.py` (Proposal -> Scores -> Verdict).  `ar` is the same loop with nothing drafted.
 
@@ -33,6 +34,7 @@ from .drafter import Drafter, draft_children
 from .dynamic import propose_tree
 from .kv import KVModel
 from .policy import FixedDepth, StoppingPolicy, TreePolicy
+from .round_gate import RoundGate
 from .sampling import Sampling, sample, warp
 from .tree import Tree
 from .verify import dynasd_select, verify_tree
@@ -108,6 +110,7 @@ class DecodeStats:
     accepted: int = 0  # drafted tokens accepted
     seconds: float = 0.0
     decision_seconds: float = 0.0  # wall time of the policy's decisions
+    gated: int = 0  # rounds the round gate kept from drafting (the root alone)
     accepted_per_round: list[int] = field(default_factory=list)
     accepted_ema: float = 0.0  # EMA of accepted drafted tokens per round (0 before the first)
 
@@ -130,10 +133,15 @@ class DecodeStats:
         """Drafted tokens accepted in the last round (0 before the first)."""
         return self.accepted_per_round[-1] if self.accepted_per_round else 0
 
-    def add_round(self, proposal: Proposal, verified: int, accepted: int) -> None:
+    def add_round(self, proposal: Proposal, verified: int, accepted: int,
+                  gated: bool = False) -> None:
         """Count one round: its proposal's draft steps (one level each), drafted tokens and
-        decisions, `verified` drafted tokens in its target pass, `accepted` of them."""
+        decisions, `verified` drafted tokens in its target pass, `accepted` of them; a round
+        `gated` off is a target call that leaves the acceptance history as it was."""
         self.target_calls += 1
+        if gated:
+            self.gated += 1
+            return
         self.draft_steps += proposal.steps
         self.drafted_levels += proposal.steps
         self.drafted_tokens += proposal.drafted
@@ -148,7 +156,7 @@ class DecodeStats:
         """Accumulate another generation's counts (per-round history is not kept)."""
         for name in ("new_tokens", "target_calls", "draft_steps", "drafted_levels",
                      "drafted_tokens", "verified_tokens", "accepted", "seconds",
-                     "decision_seconds"):
+                     "decision_seconds", "gated"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def summary(self) -> str:
@@ -201,6 +209,9 @@ def generate(
     """
     tree = tree_for(config)  # `tree` rounds build their own
     policy = _checked_policy(config, tree, drafter, policy)
+    gate = _round_gate(config, policy)
+    if gate is not None and gate.never:  # `fallback: ar`: no round drafts, no draft runs
+        drafter = None
     max_levels = config.max_depth if config.method == "tree" else tree.max_depth
     with_features = drafter is not None and (config.method == "tree" or hook is not None
                                              or policy.reads_features)
@@ -218,11 +229,15 @@ def generate(
         if emitted >= config.max_new_tokens:  # the root alone fills the budget
             out.extend(roots[:root_emitted].tolist())
             break
-        # 2. Propose: draft below the roots while the budget (one token per level) allows.
+        # 2. Propose: draft below the roots while the budget (one token per level) allows; a
+        # round the gate keeps from drafting proposes the root alone.
         levels = min(max_levels, config.max_new_tokens - emitted - 1 + root_emitted)
         context = RoundContext(emitted, stats.last_accepted, stats.acceptance_rate,
                                stats.accepted_ema, root_statistics(r)) if with_features else None
-        if config.method == "tree":
+        gated = gate is not None and not gate.drafts(context, r[roots])
+        if gated:
+            round_tree, proposal = tree, root_alone(roots, target.length, r)
+        elif config.method == "tree":
             round_tree, proposal = propose_tree(drafter, policy, roots, r, target.length,
                                                 levels, context, config.sampling,
                                                 config.without_replacement, generator)
@@ -243,7 +258,7 @@ def generate(
         commit(target, drafter, proposal, scores, verdict)
         out.extend(verdict.path_tokens)
         stats.add_round(proposal, round_tree.size(proposal.depth) - round_tree.roots,
-                        len(verdict.path) - 1)
+                        len(verdict.path) - 1, gated)
         if hook is not None and proposal.depth > 0:
             hook(_round_record(len(stats.accepted_per_round) - 1, round_tree, proposal, scores,
                                verdict))
@@ -269,6 +284,11 @@ def _checked_policy(config: DecodeConfig, tree: Tree, drafter: Drafter | None,
     if tree.max_depth > 0 and drafter is None:
         raise ValueError(f"method '{config.method}' needs a drafter")
     return policy or FixedDepth(max(tree.max_depth, 1))
+
+
+def _round_gate(config: DecodeConfig, policy: StoppingPolicy | TreePolicy) -> RoundGate | None:
+    """The `tree` policy's round gate (`round_gate.py`), if it has one."""
+    return getattr(policy, "round_gate", None) if config.method == "tree" else None
 
 
 def prefill(
@@ -350,6 +370,16 @@ def propose(
     fed[tree.size(depth - 1):] = -1  # the levels above the last were fed (size(-1) = 0)
     return Proposal(tokens, depth, root_position, q_all, tuple(feature_rows), fed, depth,
                     tokens.shape[0] - tree.roots, decision)
+
+
+def root_alone(
+    roots: torch.Tensor,  # [roots] long
+    root_position: int,
+    r: torch.Tensor,  # [V] the distribution the roots were drawn from
+) -> Proposal:
+    """The roots with nothing drafted below them (`ar`'s round, a round gated off)."""
+    return Proposal(roots, 0, root_position, r.new_zeros(0, r.shape[0]), (),
+                    torch.full((roots.shape[0],), -1), 0, 0, 0.0)
 
 
 def score(target: KVModel, tree: Tree, proposal: Proposal, sampling: Sampling,

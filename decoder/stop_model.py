@@ -5,7 +5,10 @@ The file's one interface is `forward(features [N, F] float32) -> P(accept) [N]`;
 the family, the tuned rule and its parameters, the training data digest and the MLflow run.
 The rules are those the replay tuned, with the arithmetic both share (`.policy`):
 
-- tree (method `tree`): `tree_rule`, the dynamic tree's expand / verify rule (`.tree_rule`);
+- tree (method `tree`): `tree_rule`, the dynamic tree's expand / verify rule (`.tree_rule`),
+  behind the round gate `round_gate` (`.round_gate`; none: every round drafts); `fallback: ar`
+  where no drafting policy beat `ar` in the replay on the cost curve it was tuned for: the
+  gate then never opens and the loop runs plain `ar`;
 - threshold: continue below a node while p-hat > t;
 - cost_aware: continue below a node while P_d * p-hat_d / (c + v)_d > rho: P_d the product of
   p-hat along the node's branch within the round, level d included (reset at depth 1, carried
@@ -27,10 +30,12 @@ from specstop.common.files import check_file
 from specstop.features import FEATURES, SCHEMA_VERSION
 
 from .policy import DEPTH, continues, cost_aware_score
+from .round_gate import RoundGate
 from .tree_rule import TreeRule
 
 STOP_MODEL_META = "specstop.json"
 RULES = ("threshold", "cost_aware")
+GATE_KEYS = ("round_gate", "fallback", "gated_speedup", "gated_share")  # `models.round_gate`
 
 
 def read_stop_model(path: Path) -> tuple[torch.jit.ScriptModule, dict]:
@@ -87,6 +92,7 @@ class LearnedPolicy:
             marginal = [float("inf")] + [float(c) for c in meta["marginal_cost"]] + [float("inf")]
             self.name = f"{meta['family']}-{self.rule}"
             self.tree_rule = TreeRule.from_dict(meta["tree_rule"])
+            self.round_gate = _round_gate(meta)
         except (KeyError, TypeError, ValueError) as err:
             raise SpecstopError(f"{source or 'stop model'}: incomplete metadata "
                                 f"({type(err).__name__}: {err})") from err
@@ -137,12 +143,30 @@ class LearnedPolicy:
                 f"{per_call:.3f} ms per decision over {self.calls} decisions")
 
 
-    def tree_summary(self, decision_seconds: float, seconds: float) -> str:
-        """One line on the `tree` method's use of the model (its decisions' share of a run)."""
+    def tree_summary(self, decision_seconds: float, seconds: float, gated: int = 0,
+                     rounds: int = 0) -> str:
+        """One line on the `tree` method's use of the model (its decisions' share of a run, the
+        rounds its gate kept from drafting), or why it ran plain `ar`."""
+        family = self.meta["family"]
+        if self.round_gate is not None and self.round_gate.never:
+            return (f"stop model: {family} falls back to ar: no drafting policy beat ar in the "
+                    f"replay on its cost curve (its tree {self.meta['tree_speedup']:.3f}x ar); "
+                    f"decoded without drafting")
         rule, share = self.tree_rule, decision_seconds / seconds if seconds > 0 else 0.0
-        return (f"stop model: {self.meta['family']}, tree rule (expand {rule.expand:.3g}, max "
+        gate = "" if self.round_gate is None else f", round gate: {gated} of {rounds} rounds " \
+            "not drafted"
+        return (f"stop model: {family}, tree rule (expand {rule.expand:.3g}, max "
                 f"width {rule.max_width}, rho {rule.rho:.4g}); decisions {100 * share:.2f}% of "
-                f"the decode time")
+                f"the decode time{gate}")
+
+
+def _round_gate(meta: dict) -> RoundGate | None:
+    """The metadata's gate: `fallback: ar` is the closed one; none without either."""
+    if meta.get("fallback") == "ar":
+        return RoundGate.closed()
+    if meta.get("fallback") is not None:
+        raise ValueError(f"unknown fallback {meta['fallback']!r} (expected 'ar')")
+    return None if meta.get("round_gate") is None else RoundGate.from_dict(meta["round_gate"])
 
 
 def load_stop_model(path: Path) -> LearnedPolicy:

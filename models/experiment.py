@@ -403,7 +403,7 @@ def _summary(entries: dict[str, Entry], bench: Bench, dataset: data.Dataset,
                "marginal_cost": bench.costs.marginal_cost(
                    e.latency if config.charge_decision_latency else 0.0)[1:-1].tolist(),
                "tree_rule": trees.rules[name].as_dict(),
-               "tree_speedup": trees.tuned[name].result.speedup}
+               "tree_speedup": trees.tuned[name].result.speedup, **trees.gates[name].as_dict()}
         for name, e in entries.items() if e.model is not None}
     return {"winner": winner, "feature_schema_version": dataset.schema_version,
             "dataset_digest": dataset.digest, "label": config.label,

@@ -7,7 +7,10 @@ equal the trained model's within `tolerance`, or the stage fails.  The winner is
 whose dynamic tree (`tree_rule` in the metadata) is fastest in the val replay; ties go to the
 lower decision latency of the exported file.  With `export.costs` (another machine's
 costs.json) every family's tree rule is re-tuned on val for that cost curve before export:
-the same predictions, the trees that pay there.
+the same predictions, the trees that pay there, and their round gates (`models.round_gate`):
+where no drafting policy beats `ar` on that curve the exported rule says `fallback: ar`.
+metrics/export.json's `vs_ar` gives the winner's replay against `ar` on this machine's cost
+curve (`own`, stage train's) and on `export.costs` (`export_costs`).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ WINNER_FILE = "stop_model.pt"
 def export(config: ExportConfig, store: TrackingStore) -> dict:
     """Export, check and time every family; copy and register the winner; write the metrics."""
     tracking.check(tracking.tracking_uri(store.uri))  # before the work, not after
-    summary = _summary(config.train)
+    own = summary = _summary(config.train)
     costs = _costs(config.costs)
     dataset = _dataset(config.data, summary)
     X = dataset.val.features
@@ -56,6 +59,8 @@ def export(config: ExportConfig, store: TrackingStore) -> dict:
     metrics = {"winner": winner, "file": str(path), "val_rows": int(len(X)),
                "tolerance": config.tolerance,
                "max_abs_diff": families[winner]["max_abs_diff"], **registered,
+               "vs_ar": {"own": _vs_ar(own["families"][winner]),
+                         "export_costs": _vs_ar(summary["families"][winner]) if costs else None},
                "families": families}
     write_json(config.metrics, metrics)
     return metrics
@@ -102,9 +107,16 @@ def _retuned(summary: dict, dataset: data.Dataset, costs: CostModel, X: np.ndarr
                                 confidence_score(X), families)
     out = json.loads(json.dumps(summary))
     for f, entry in out["families"].items():
-        entry.update(tree_rule=trees.rules[f].as_dict(),
+        entry.update(tree_rule=trees.rules[f].as_dict(), **trees.gates[f].as_dict(),
                      tree_speedup=trees.tuned[f].result.speedup, tree_costs=str(config.costs))
     return out
+
+
+def _vs_ar(entry: dict) -> dict:
+    """A family's replay against `ar` (speedup 1): its tree rule alone, and behind its gate."""
+    return {"tree_vs_ar": entry["tree_speedup"], "vs_ar": entry.get("gated_speedup"),
+            "gated_share": entry.get("gated_share"), "fallback": entry.get("fallback"),
+            "round_gate": entry.get("round_gate") is not None}
 
 
 def _export_one(family: str, summary: dict, X: np.ndarray, level: torch.Tensor,

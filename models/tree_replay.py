@@ -16,7 +16,9 @@ verifies the ancestor-closed set K yields 1 + |accepted in K| tokens and costs i
 - dynamic (`decoder.tree_rule`): per-node survival from a probability (the draft's own: EAGLE-2;
   a learned model), expand and verify as the runtime does, (expand, max_width) on a grid and
   rho by Dinkelbach's iteration;
-- oracle: drafts and verifies exactly the accepted path, or nothing, knowing it in advance.
+- oracle: drafts and verifies exactly the accepted path, or nothing, knowing it in advance;
+- `ar`: every round gated off (`gated`: the root alone, one one-token pass), speedup exactly 1;
+  a round gate (`models.round_gate`) gates some rounds off before a dynamic tree drafts.
 
 Rounds are replayed as independent samples, as in `models.simulate`; context features (accepted
 history) were logged under the superset policy, not the replayed one.
@@ -115,8 +117,12 @@ class TreeReplay:
 
     # ---- scoring -------------------------------------------------------------------------
 
-    def score(self, kept: np.ndarray, fed: np.ndarray, costs: TreeCosts) -> TreeResult:
-        """Replay: `kept` [n] verified rows, `fed` [R, max_depth] nodes fed per level (0: root)."""
+    def score(self, kept: np.ndarray, fed: np.ndarray, costs: TreeCosts,
+              gated: np.ndarray | None = None) -> TreeResult:
+        """Replay: `kept` [n] verified rows, `fed` [R, max_depth] nodes fed per level (0: root);
+        rounds `gated` [R] off draft nothing: the root alone, one one-token pass (`ar`'s step)."""
+        if gated is not None:
+            kept, fed = kept & ~gated[self.round_index], np.where(gated[:, None], 0, fed)
         verified = np.bincount(self.round_index, kept, self.rounds)
         tokens = 1 + np.bincount(self.round_index, kept & self.accepted, self.rounds)
         cost = costs.step[fed].sum(axis=1) + costs.verify[1 + verified.astype(np.int64)]
@@ -140,8 +146,10 @@ class TreeReplay:
         root = np.bincount(self.round_index, kept & (self.level == 1), self.rounds) > 0
         return self.score(kept, self._fed_widths(fed, root), costs)
 
-    def dynamic(self, p: np.ndarray, rule: TreeRule, costs: TreeCosts) -> TreeResult:
-        """The runtime's rule (`decoder.tree_rule`) with per-row acceptance probabilities p."""
+    def dynamic(self, p: np.ndarray, rule: TreeRule, costs: TreeCosts,
+                gated: np.ndarray | None = None) -> TreeResult:
+        """The runtime's rule (`decoder.tree_rule`) with per-row acceptance probabilities p, the
+        rounds `gated` [R] off (`decoder.round_gate`) emitting the root alone."""
         s = path_product(p, self.level, self.parent_row)  # each row's survival
         candidate = self.level == 1
         fed = np.zeros(len(s), dtype=bool)
@@ -153,7 +161,7 @@ class TreeReplay:
             candidate[below] = fed[self.parent_row[below]]
         kept = self._verify(s, candidate, rule) if rule.prune else candidate
         root = np.ones(self.rounds, dtype=np.int64)
-        return self.score(kept, self._fed_widths(fed, root), costs)
+        return self.score(kept, self._fed_widths(fed, root), costs, gated)
 
     def _verify(self, s: np.ndarray, candidate: np.ndarray, rule: TreeRule) -> np.ndarray:
         """`tree_rule.verify_set` of every round at once: the n best candidates by the closed

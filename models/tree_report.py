@@ -2,12 +2,14 @@
 
 Static shapes (chains, `ti-mcsd`-like, the grid), Sequoia's tree, the EAGLE-2-style dynamic
 tree (the draft's own confidence as survival) and each family's dynamic tree, under one cost
-model and the oracle (`models.tree_replay`).  "Best static" is the fastest static entry.
+model and the oracle (`models.tree_replay`).  "Best static" is the fastest static entry.  Each
+family's tree also gets its round gate, or `ar` where nothing drafting beats it
+(`models.round_gate`): the winner is reported against `ar` (speedup 1).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +17,10 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from specstop.decoder.costs import CostModel
+from specstop.decoder.round_gate import RoundGate
 from specstop.decoder.tree_rule import TreeRule
 
-from . import plots
+from . import plots, round_gate
 from .tree_replay import (WIDTH_GRID, TreeCosts, TreeReplay, TreeResult, Tuned, best_static,
                           sequoia, tune_dynamic)
 
@@ -36,6 +39,9 @@ class TreeComparison:
     families: tuple[str, ...]
     replay: TreeReplay  # the val rounds
     costs: CostModel
+    gate: RoundGate | None = None  # fitted on the train rounds, not yet tuned
+    gate_features: np.ndarray | None = None  # [R, len(GATE_FEATURES)] of the val rounds
+    gates: dict[str, round_gate.GateChoice] = field(default_factory=dict)  # by family
 
     def tune(self, name: str, p: np.ndarray, latency: float) -> tuple[Tuned, TreeRule]:
         """A dynamic tree for per-row probabilities p on these rounds, `latency` seconds
@@ -43,6 +49,12 @@ class TreeComparison:
         start = self.tuned[self.best_static].result.speedup
         return tune_dynamic(name, self.replay, p, _tree_costs(self.costs, self.replay, latency),
                             start)
+
+    def choose_gate(self, name: str, p: np.ndarray, latency: float) -> round_gate.GateChoice:
+        """The round gate, none or `ar` for the tuned dynamic tree `name`."""
+        costs = _tree_costs(self.costs, self.replay, latency)
+        return round_gate.choose(self.replay, p, self.rules[name], costs, self.gate,
+                                 self.gate_features)
 
     @property
     def best_static(self) -> str:
@@ -70,7 +82,8 @@ class TreeComparison:
             speed = self.tuned[self.winner].result.speedup
             winner = {"family": self.winner, "simulated_speedup": speed,
                       "vs_best_static": speed / static, "vs_confidence_tree": speed / confidence,
-                      "fraction_of_oracle": speed / self.oracle.speedup}
+                      "fraction_of_oracle": speed / self.oracle.speedup,
+                      **self.gates[self.winner].metrics()}
             out["winner"] = winner
             out["targets"] = {key: winner[name] >= bound
                               for key, (name, bound) in TARGETS.items()}
@@ -91,9 +104,12 @@ def compare(train: pd.DataFrame, val: pd.DataFrame, costs: CostModel, q_token: n
     replay, train_replay = TreeReplay.from_rows(val, shape), TreeReplay.from_rows(train, shape)
     base = _tree_costs(costs, replay, 0.0)
     static = {**best_static(replay, base), "sequoia": sequoia(replay, train_replay, base)}
-    comparison = TreeComparison(static, {}, replay.oracle(base), tuple(families), replay, costs)
+    comparison = TreeComparison(static, {}, replay.oracle(base), tuple(families), replay, costs,
+                                round_gate.fit(train), round_gate.round_features(val))
     for name, (p, latency) in {CONFIDENCE_TREE: (q_token, 0.0), **families}.items():
         comparison.tuned[name], comparison.rules[name] = comparison.tune(name, p, latency)
+    for name, (p, latency) in families.items():
+        comparison.gates[name] = comparison.choose_gate(name, p, latency)
     return comparison
 
 

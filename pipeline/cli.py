@@ -131,7 +131,8 @@ def _generate(args: argparse.Namespace, params: Params) -> None:
     print(runtime.tokenizer.decode(generation.tokens, skip_special_tokens=True))
     stats = generation.stats
     if isinstance(policy, LearnedPolicy):
-        print(policy.tree_summary(stats.decision_seconds, stats.seconds)
+        print(policy.tree_summary(stats.decision_seconds, stats.seconds, stats.gated,
+                                  stats.target_calls - 1)  # the prefill is no round
               if config.method == "tree" else policy.summary())
     print(stats.summary())
 

@@ -20,7 +20,7 @@ from specstop.common.errors import SpecstopError
 from specstop.common.params import Params, validate
 from specstop.evaluation.intervals import speed_ratio
 
-from stop_models import write_trained_outputs
+from stop_models import write_stop_model, write_trained_outputs
 
 CONTRACT = {"tokens_per_s", "speedup_vs_ar", "mean_accepted", "acceptance_rate", "target_calls",
             "draft_steps"}
@@ -129,6 +129,28 @@ def test_a_chosen_few_methods_and_no_sampling_pass(tmp_path, tiny_model_dir, mon
     readme.write_text("no markers\n")
     with pytest.raises(SpecstopError, match="README.md: expected one"):
         bench_report.update_readme(readme, metrics)
+
+
+def test_the_exported_fallback_runs_ar_and_reports_its_rounds_gated(tmp_path, tiny_model_dir,
+                                                                   monkeypatch):
+    """A stop model exported where nothing pays (`fallback: ar`): `tree+stop_model` is `ar`."""
+    monkeypatch.chdir(tmp_path)
+    write_trained_outputs(tmp_path, families=("logistic",))
+    write_stop_model(Path("data/export/stop_model.pt"), fallback="ar", gated_speedup=1.0,
+                     gated_share=1.0)
+    Path("data/prompts").mkdir(parents=True)
+    pq.write_table(pa.table({"prompt_id": ["a", "b"], "text": ["hi", "x"],
+                             "source": ["code", "chat"]}), "data/prompts/test.parquet")
+    tiny = str(tiny_model_dir)
+    metrics = run_bench(validate(
+        {"models": {"target": tiny, "draft": tiny, "dtype": "float32", "device": "cpu"},
+         "costs": {"path": "absent.json"}, "collect": {"ti_width": 2, "max_depth": 3},
+         "bench": {"max_new_tokens": 5, "methods": ["tree+stop_model"],
+                   "sampling_methods": [], "bootstrap_resamples": 100}}))
+    tree, ar = metrics["tree+stop_model"], metrics["ar"]
+    assert tree["greedy_identical_to_ar"] and tree["draft_steps"] == 0
+    assert (tree["gated_share"], ar["gated_share"]) == (1.0, 0.0)
+    assert tree["simulated_speedup"] == 1.0 and tree["target_calls"] == ar["target_calls"]
 
 
 def test_an_unknown_sampling_method_is_refused_before_the_work(tmp_path, monkeypatch):

@@ -287,3 +287,40 @@ def test_generate_a_dynamic_tree_with_a_stop_model(tmp_path, tiny_model_dir):
     assert result.returncode != 0 and result.stderr.strip().endswith(
         "--method tree needs --stop-model FILE (an exported decision model; its tree rule "
         "decides what to draft and verify)")
+
+
+def test_where_nothing_pays_the_exported_rule_is_ar(exported, tmp_path, tiny_model_dir):
+    """Verification as dear as decoding each token (a slow CPU's curve): no tree beats `ar`; the
+    exported rule says so, and decoding with it gives `ar`'s output and says why."""
+    config, store, report, metrics = exported
+    own = json.loads((config.train / "summary.json").read_text())["families"][metrics["winner"]]
+    assert metrics["vs_ar"] == {"own": {
+        "tree_vs_ar": own["tree_speedup"], "vs_ar": own["gated_speedup"],
+        "gated_share": own["gated_share"], "fallback": None,
+        "round_gate": own["round_gate"] is not None}, "export_costs": None}
+    assert own["gated_speedup"] >= own["tree_speedup"] > 1.0  # drafting pays on its own curve
+    costs = json.loads((config.data / "costs.json").read_text())
+    costs["target"]["seconds"] = {n: 0.04 * int(n) for n in costs["target"]["seconds"]}
+    dear = tmp_path / "dear_costs.json"
+    dear.write_text(json.dumps(costs))
+    other = config.model_copy(update={"costs": dear, "out": tmp_path / "export",
+                                      "metrics": tmp_path / "export.json"})
+    retuned = export(other, store)
+    _, meta = read_stop_model(other.out / "stop_model.pt")
+    assert (meta["fallback"], meta["round_gate"], meta["gated_speedup"], meta["gated_share"]) \
+        == ("ar", None, 1.0, 1.0)
+    assert meta["tree_speedup"] < 1.0
+    assert retuned["vs_ar"]["export_costs"] == {
+        "tree_vs_ar": meta["tree_speedup"], "vs_ar": 1.0, "gated_share": 1.0, "fallback": "ar",
+        "round_gate": False}
+    argv = ["generate", "--target", str(tiny_model_dir), "--draft", str(tiny_model_dir),
+            "--dtype", "float32", "--max-new-tokens", "8", "--prompt", "hi"]
+    ar = run_specstop([*argv, "--method", "ar"], tmp_path)
+    tree = run_specstop([*argv, "--method", "tree", "--stop-model",
+                         str(other.out / "stop_model.pt")], tmp_path)
+    assert tree.returncode == 0, tree.stderr
+    lines = tree.stdout.splitlines()
+    assert lines[:-2] == ar.stdout.splitlines()[:-1]  # the same text
+    assert re.fullmatch(r"stop model: \w+ falls back to ar: no drafting policy beat ar in the "
+                        r"replay on its cost curve \(its tree 0\.\d{3}x ar\); decoded without "
+                        r"drafting", lines[-2]), lines[-2]

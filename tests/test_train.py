@@ -215,3 +215,14 @@ def test_rounds_with_nan_features_are_dropped_and_counted(tmp_path):
     after = data.load(folder)
     assert after.dropped_rounds == 1
     assert len(after.train.rows) == len(before.train.rows) - 12  # 3 candidates x 4 levels
+
+
+def test_the_winner_is_reported_against_ar_with_its_round_gate(trained):
+    folder, config, store, report = trained
+    winner = json.loads(config.metrics.read_text())["replay"]["winner"]
+    assert winner["tree_vs_ar"] == pytest.approx(winner["simulated_speedup"])
+    assert winner["vs_ar"] >= winner["tree_vs_ar"] > 1.0 and winner["fallback"] is None
+    assert winner["round_gate"] == (winner["gated_share"] > 0)
+    entry = json.loads((config.out / "summary.json").read_text())["families"][winner["family"]]
+    assert entry["gated_speedup"] == winner["vs_ar"] and entry["fallback"] is None
+    assert (entry["round_gate"] is not None) == winner["round_gate"]
