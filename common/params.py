@@ -246,6 +246,19 @@ class CollectConfig(TreeConfig):
     splits: list[Literal["train", "val", "test"]] = Field(["train", "val"], min_length=1)
     max_prompts: PosInt | None = None
     part_size: PosInt = 4  # prompts per Parquet part (the unit of resume and sharding)
+    temperatures: list[Temperature] = Field([0.0], min_length=1)  # every prompt at each
+
+    @model_validator(mode="after")
+    def _temperatures_only(self) -> "CollectConfig":
+        """collect decodes every prompt at each of `temperatures`; a lone `temperature` would be
+        ignored, so it is refused."""
+        if "temperature" in self.model_fields_set:
+            raise PydanticCustomError(CROSS_KEY, "temperature: collect takes temperatures, a "
+                                      "list (e.g. [0.0, 0.7]: greedy and sampled rounds)")
+        if len(set(self.temperatures)) != len(self.temperatures):
+            raise PydanticCustomError(CROSS_KEY, f"temperatures: {self.temperatures} repeats "
+                                      f"a value")
+        return self
 
 
 class LogisticParams(Section):

@@ -1,11 +1,12 @@
 """The `tree` method's round: a dynamic tree, expanded and cut by a `TreePolicy` (EAGLE-2 style).
 
 Three trees share the drafted tree's level-major node order:
-- S, the drafted tree: the root, then each draft step's candidates (the top `branching[d]`
-  children of every node fed at that step), each with its survival s, the product of the
-  policy's p-hat along its path (`tree_rule.py`);
-- F, the fed tree: the root and the candidates `feed` expanded; the draft's cache holds it, one
-  draft step per level;
+- S, the drafted tree: the root, then each draft step's candidates (the first `children`
+  of every node fed at that step in the draft's sampling order: all `branching[d]`, or the
+  sampling rule's count), each with its survival s, the product of the policy's p-hat along its
+  path (`tree_rule.py`);
+- F, the fed tree: the root and the candidates given children; the draft's cache holds it,
+  one draft step per level;
 - V, the verify tree: the root and the candidates `verify_set` keeps (all of them when
   sampling); the loop scores, verifies and commits it as it does a static tree.
 """
@@ -24,7 +25,7 @@ from .drafter import Drafter, draft_children
 from .policy import TreePolicy
 from .sampling import Sampling, warp
 from .tree import Tree
-from .tree_rule import feed, verify_set
+from .tree_rule import children, verify_set
 
 PATH_CONFIDENCE = feature_index("path_confidence")
 
@@ -41,26 +42,34 @@ def propose_tree(
     without_replacement: bool,
     generator: torch.Generator | None,
 ) -> tuple[Tree, Proposal]:
-    """Draft S below `root` level by level while `feed` expands some candidate, then cut it to
-    V with `verify_set`; returns V and its Proposal."""
+    """Draft S below `root` level by level while some candidate is given `children`, then cut
+    it to V with `verify_set`; returns V and its Proposal."""
     rule = policy.tree_rule.exact_under(sampling.greedy)
     levels = min(levels, rule.max_depth)
     drafted, frontier, decision = DraftedTree(root), np.zeros(1, dtype=np.int64), 0.0
+    counts = children(drafted.survival, 0, rule)  # [m] children of each fed node
     for depth in range(levels):
         rows = torch.from_numpy(frontier).to(r.device)  # S indices of the nodes fed now
         logits = drafter.step(drafted.fed_tree().on(r.device), depth, drafted.tokens[rows],
                               root_position)
         q = warp(logits, sampling)  # [m, V]
-        kids = draft_children(q, rule.branching[depth], sampling, without_replacement, generator)
-        n = kids.numel()
+        width = int(counts.max())
+        candidates = draft_children(q, width, sampling, without_replacement, generator)  # [m, w]
+        slots = np.flatnonzero(np.arange(width)[None, :] < counts[:, None])  # each one's first
+        parent, rank = np.divmod(slots, width)  # [c] row of q and rank of each kept candidate
+        kept = torch.from_numpy(slots).to(r.device)
+        kids, n = candidates.flatten()[kept], candidates.numel()
         start = time.perf_counter()  # a decision: the candidates' features, p-hat, the rule
-        features = draft_features(q, kids, depth + 1, kids.new_zeros(n), r[root].expand(n),
-                                  drafted.confidence[rows], context)
+        features = draft_features(q, candidates, depth + 1, candidates.new_zeros(n),
+                                  r[root].expand(n), drafted.confidence[rows], context)[kept]
         p_hat = policy.probabilities(features).double().cpu().numpy()
-        survival = np.repeat(drafted.survival[frontier], kids.shape[1]) * p_hat
-        expand = feed(survival, rule) if depth + 1 < levels else np.zeros(n, dtype=bool)
+        survival = drafted.survival[frontier][parent] * p_hat
+        next_counts = children(survival, depth + 1, rule) if depth + 1 < levels \
+            else np.zeros(len(slots), dtype=np.int64)
         decision += time.perf_counter() - start
-        frontier = drafted.add(frontier, q, kids, features, survival, expand)
+        frontier = drafted.add(frontier[parent], rank, q, kids, features, survival,
+                               next_counts > 0)
+        counts = next_counts[next_counts > 0]
         if frontier.size == 0:
             break
     start = time.perf_counter()
@@ -93,21 +102,20 @@ class DraftedTree:
         """F: the draft's cache order (its last level is fed next)."""
         return Tree.from_parents(self.fed_parent)
 
-    def add(self, frontier: np.ndarray, q: torch.Tensor, kids: torch.Tensor,
+    def add(self, parent: np.ndarray, rank: np.ndarray, q: torch.Tensor, kids: torch.Tensor,
             features: torch.Tensor, survival: np.ndarray, expand: np.ndarray) -> np.ndarray:
-        """Append one step's candidates: `kids` [m, k] of the nodes `frontier` [m] (fed with q
-        [m, V]), their features [m * k, F] and survival [m * k]; `expand` [m * k] bool marks
-        those fed next, whose indices [<= m * k] are returned."""
-        m, k = kids.shape
-        first, parent = len(self.parent), np.repeat(frontier, k)
-        fed = np.full(m * k, -1)
+        """Append one step's candidates [c]: `kids` with their `parent` (S indices of the nodes
+        fed with q [m, V]) and `rank` among siblings, features [c, F] and survival [c];
+        `expand` [c] bool marks those fed next, whose indices are returned."""
+        first = len(self.parent)
+        fed = np.full(len(parent), -1)
         fed[expand] = len(self.fed_parent) + np.arange(int(expand.sum()))
         self.fed_parent = np.concatenate([self.fed_parent, self.fed[parent[expand]]])
         self.fed = np.concatenate([self.fed, fed])
         self.parent = np.concatenate([self.parent, parent])
-        self.rank = np.concatenate([self.rank, np.tile(np.arange(k), m)])
+        self.rank = np.concatenate([self.rank, rank])
         self.survival = np.concatenate([self.survival, survival])
-        self.tokens = torch.cat([self.tokens, kids.flatten()])
+        self.tokens = torch.cat([self.tokens, kids])
         self.confidence = torch.cat([self.confidence, features[:, PATH_CONFIDENCE]])
         self.q.append(q)
         self.features.append(features)

@@ -37,7 +37,7 @@ from .policy import FixedDepth, StoppingPolicy, TreePolicy
 from .round_gate import RoundGate
 from .sampling import Sampling, sample, warp
 from .tree import Tree
-from .verify import dynasd_select, verify_tree
+from .verify import acceptance, dynasd_select, verify_tree
 
 MAX_DEPTH = 64
 MAX_TREE_NODES = 4096
@@ -178,6 +178,8 @@ class RoundRecord:
     labels: torch.Tensor  # [n] int8: 1 accepted, 0 rejected, -1 after an earlier rejection
     p_target: torch.Tensor  # [n] target probability of the token at its parent
     q_draft: torch.Tensor  # [n] draft probability of the token at its parent
+    accept_prob: torch.Tensor  # [n] float32 exact P(accepted | parent accepted, earlier
+    # siblings rejected) (`verify.acceptance`)
 
 
 @dataclass(frozen=True)
@@ -261,7 +263,7 @@ def generate(
                         len(verdict.path) - 1, gated)
         if hook is not None and proposal.depth > 0:
             hook(_round_record(len(stats.accepted_per_round) - 1, round_tree, proposal, scores,
-                               verdict))
+                               verdict, config))
         if verdict.next_dist is None or len(out) >= config.max_new_tokens:
             break
         r = verdict.next_dist
@@ -427,9 +429,11 @@ def _fed_path(proposal: Proposal, verdict: Verdict) -> torch.Tensor:
 
 
 def _round_record(index: int, tree: Tree, proposal: Proposal, scores: Scores,
-                  verdict: Verdict) -> RoundRecord:
+                  verdict: Verdict, config: DecodeConfig) -> RoundRecord:
     """What the feature hook sees of round `index`: every drafted node of the verified tree."""
     drafted = torch.arange(tree.roots, tree.size(proposal.depth))
+    accept = acceptance(tree, proposal.depth, proposal.tokens, scores.p, proposal.q,
+                        config.sampling, config.without_replacement)
     parent = tree.parent[drafted]
     kids = proposal.tokens[drafted.to(proposal.tokens.device)]
     p, q = scores.p, proposal.q
@@ -444,4 +448,5 @@ def _round_record(index: int, tree: Tree, proposal: Proposal, scores: Scores,
         labels=verdict.labels.cpu()[drafted],
         p_target=p[parent.to(p.device), kids].float().cpu(),
         q_draft=q[parent.to(q.device), kids].float().cpu(),
+        accept_prob=accept.float().cpu()[drafted],
     )

@@ -16,6 +16,21 @@ per target step), the round maximises  expected tokens - rho * cost:
   multi-candidate rule sees a prefix of each node's sampling order).  `prune` off keeps every
   drafted node: with sampling, dropping a node for its own token's score would bias the output.
 
+The sampling rule (`rank_accept` set, Sequoia-style): r[d][j] estimates the chance that the j-th
+child drafted at level d + 1 is accepted given its parent was and its earlier siblings were not
+(fitted on sampled rounds' exact `accept_prob`, non-increasing in j).  After level d is drafted,
+node i gets child j iff s_i * r[d][j] > `expand`, at most `max_width` children per level (the
+largest values; ties to the earlier node and rank), so each node's children are a prefix of its
+sampling order; every drafted node is verified.  Why it is exact: the number k_i of candidates
+tested at node i is a function of the tree drafted before i's children (i's own token, its
+ancestors, the other nodes of i's level) and of the fitted table, never of i's children's draws
+or of the verification uniforms.  Conditional on the path reaching i and on that history, the k_i
+candidates are a fresh i.i.d. or without-replacement sample from q(.|path), and multi-candidate
+speculative sampling emits exactly p(.|path) for any fixed k (k = 0: the bonus, drawn from p); by
+induction along the path the output is target-only decoding's.  What breaks it is a node whose
+own inclusion depends on its own token (greedy `verify_set` under sampling): the candidates
+tested are then a filtered sample of q and the residual is taken against the wrong q.
+
 Fixed shapes, the draft's confidence and a learned model are instances: they differ only in
 where s comes from.  The arithmetic is NumPy on one round; the decode loop and the replay
 (`specstop.models.tree_replay`) call the same functions, so what the replay tunes is what runs.
@@ -33,9 +48,11 @@ class TreeRule:
     branching: tuple[int, ...]  # candidate children per fed node at levels 1..max_depth
     expand: float  # feed a candidate whose survival exceeds this
     rho: float  # tokens per target step to beat
-    max_width: int  # nodes fed per draft step at most
+    max_width: int  # nodes fed per draft step at most (sampling rule: nodes per level)
     verify_cost: tuple[float, ...]  # [n] target steps of a pass over n tokens (index 0 unused)
     prune: bool = True  # drop drafted nodes not worth verifying (greedy decoding only)
+    rank_accept: tuple[tuple[float, ...], ...] = ()  # [level][rank] r: the sampling rule (empty:
+    # feed by survival, every child of a fed node)
 
     def __post_init__(self) -> None:
         if not self.branching or any(k < 1 for k in self.branching):
@@ -46,6 +63,12 @@ class TreeRule:
                              f"{self.max_width}, {self.rho}, {self.expand}")
         if len(self.verify_cost) < 2:
             raise ValueError("verify_cost needs the one-token pass (index 1)")
+        if self.rank_accept and (
+                len(self.rank_accept) != self.max_depth
+                or any(len(r) != k or any(b > a for a, b in zip(r, r[1:]))
+                       for r, k in zip(self.rank_accept, self.branching))):
+            raise ValueError("rank_accept needs one non-increasing row per level, as wide as "
+                             f"its branching {list(self.branching)}")
 
     @property
     def max_depth(self) -> int:
@@ -65,13 +88,15 @@ class TreeRule:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "branching": list(self.branching),
-                "verify_cost": list(self.verify_cost)}
+                "verify_cost": list(self.verify_cost),
+                "rank_accept": [list(r) for r in self.rank_accept]}
 
     @classmethod
     def from_dict(cls, raw: dict) -> "TreeRule":
         return cls(tuple(int(k) for k in raw["branching"]), float(raw["expand"]),
                    float(raw["rho"]), int(raw["max_width"]),
-                   tuple(float(c) for c in raw["verify_cost"]), bool(raw.get("prune", True)))
+                   tuple(float(c) for c in raw["verify_cost"]), bool(raw.get("prune", True)),
+                   tuple(tuple(float(a) for a in r) for r in raw.get("rank_accept", ())))
 
 
 def verify_cost_table(seconds: dict[int, float], up_to: int) -> tuple[float, ...]:
@@ -102,6 +127,34 @@ def feed(survival: np.ndarray, rule: TreeRule) -> np.ndarray:
         keep[order[: rule.max_width]] = True
         keep &= survival > rule.expand
     return keep
+
+
+def children(survival: np.ndarray, level: int, rule: TreeRule,
+             groups: np.ndarray | None = None) -> np.ndarray:
+    """[m] children to draft below each node of `level` (0: the root) with survival [m]: all
+    `branching[level]` of a fed node (`feed`; the root always), or the sampling rule's prefix
+    (s * r[level][j] > expand, the `max_width` largest per group, the root's first child
+    always; `groups` [m]: the replay's rounds, one group by default)."""
+    width = rule.branching[level]
+    if not rule.rank_accept:
+        fed = np.ones(1, dtype=bool) if level == 0 else feed(survival, rule)
+        return np.where(fed, width, 0)
+    value = (survival[:, None] * np.asarray(rule.rank_accept[level])[None, :]).ravel()  # [m * k]
+    slot_group = np.repeat(np.zeros(len(survival), np.int64) if groups is None else groups, width)
+    keep = (value > rule.expand) & (_rank_within(value, slot_group) < rule.max_width)
+    counts = keep.reshape(-1, width).sum(axis=1)
+    return np.maximum(counts, 1) if level == 0 else counts  # the root: its first child at least
+
+
+def _rank_within(value: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """[n] each entry's rank within its group by value (descending, ties to the lower index)."""
+    order = np.lexsort((np.arange(len(value)), -value, group))
+    ordered = group[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    first = np.repeat(starts, np.diff(np.r_[starts, len(order)]))
+    rank = np.empty(len(value), dtype=np.int64)
+    rank[order] = np.arange(len(order)) - first
+    return rank
 
 
 def closed_survival(survival: np.ndarray, parent: np.ndarray, previous_sibling: np.ndarray

@@ -75,6 +75,37 @@ def _mcss_tests(p: torch.Tensor, q: torch.Tensor, candidates: torch.Tensor, vali
     return torch.cat(thresholds), p
 
 
+def acceptance(
+    tree: Tree,
+    depth: int,
+    tokens: torch.Tensor,  # [n] token ids of the tree cut at `depth`
+    p: torch.Tensor,  # [n, V] target distributions after each node
+    q: torch.Tensor,  # [size(depth-1), V] draft distributions each node's children came from
+    sampling: Sampling,
+    without_replacement: bool,
+) -> torch.Tensor:
+    """[n] float64 on the tokens' device: each node's exact probability of being accepted at its
+    parent given that the parent was and its earlier siblings were not (roots: nan).  Greedy: 1
+    iff the token is the arg-max of p at the parent.  Sampling: min(1, t), t the threshold
+    `mcss` tests it with (the residual p over q-bar left by the earlier siblings; 0 for a
+    candidate that could not have been drawn).  A node's value does not depend on its later
+    siblings, so a policy that verifies a prefix of each node's children accepts node i with
+    P(parent) * prod over its earlier siblings (1 - a) * a_i."""
+    n = tokens.shape[0]
+    parent = tree.parent[:n].to(tokens.device)
+    out = torch.full((n,), math.nan, dtype=torch.float64, device=tokens.device)
+    drafted = parent >= 0
+    if sampling.greedy:
+        up = parent.clamp_min(0)
+        return torch.where(drafted, (tokens == p.argmax(dim=1)[up]).double(), out)
+    for node in torch.unique(parent[drafted]).tolist():
+        kids = (parent == node).nonzero()[:, 0]
+        thresholds, _ = _mcss_tests(p[node].double(), q[node].double(), tokens[kids],
+                                    torch.ones_like(kids, dtype=torch.bool), without_replacement)
+        out[kids] = thresholds.nan_to_num(0.0).clamp_max(1.0)
+    return out
+
+
 def verify_tree(
     tree: Tree,
     depth: int,  # levels drafted below the root

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,6 +26,7 @@ from specstop.decoder.costs import measure_costs
 from specstop.decoder.loop import DecodeConfig, DecodeStats, tree_for
 from specstop.decoder.policy import FixedDepth
 from specstop.decoder.runtime import Runtime
+from specstop.decoder.sampling import Sampling
 from specstop.prompts.splits import read_split
 
 from .rows import RoundLogger, read_parts, write_part, write_schema
@@ -39,6 +40,7 @@ class Part:
     split: str
     prompt_ids: list[str]
     texts: list[str]
+    temperature: float = 0.0  # the rounds' sampling temperature (0: greedy)
 
 
 def plan_parts(prompts_dir: Path, splits: list[str], part_size: int,
@@ -54,15 +56,23 @@ def plan_parts(prompts_dir: Path, splits: list[str], part_size: int,
     return parts
 
 
+def at_temperatures(parts: list[Part], temperatures: list[float]) -> list[Part]:
+    """Each part once per temperature, a sampled one named `<part>-T<temperature>`."""
+    return [replace(p, name=p.name if t == 0 else f"{p.name}-T{t:g}", temperature=t)
+            for t in temperatures for p in parts]
+
+
 DYNAMIC_STEP_WIDTHS = tuple(range(1, 9))  # draft step widths a dynamic tree may feed
 
 
 def collect_part(runtime: Runtime, part: Part, config: DecodeConfig, seed: int,
                  progress: tqdm, totals: DecodeStats) -> RoundLogger:
-    """Decode every prompt of a part with the policy 'draft to the maximum depth'."""
+    """Decode every prompt of a part at its temperature with the policy 'draft to the maximum
+    depth'."""
     logger, policy = RoundLogger(), FixedDepth(config.max_depth)
+    config = replace(config, sampling=Sampling(part.temperature, config.sampling.top_p))
     for prompt_id, text in zip(part.prompt_ids, part.texts):
-        logger.start(prompt_id, part.split)
+        logger.start(prompt_id, part.split, part.temperature)
         prompt = runtime.encode(text, chat=False, special_tokens=False)
         generation = runtime.generate(prompt, config, policy, seed=_prompt_seed(seed, prompt_id),
                                       hook=logger)
@@ -82,11 +92,12 @@ def _prompt_seed(seed: int, prompt_id: str) -> int:
 def collect(runtime: Runtime, parts: list[Part], config: DecodeConfig, collect: CollectConfig,
             models: ModelsConfig, rank: int = 0, world: int = 1,
             verify_widths: tuple[int, ...] = ()) -> dict | None:
-    """Decode this process's share of `parts` not written yet; rank 0 sets aside parts logged
+    """Decode this process's share of `parts` (each at every temperature of
+    `collect.temperatures`) not written yet; rank 0 sets aside parts logged
     under other settings first and, at the end, measures the cost model (target passes at the
     tree's sizes and `verify_widths`, draft steps up to DYNAMIC_STEP_WIDTHS nodes) and writes
     the summary, which it returns (the other ranks return None)."""
-    out = collect.out
+    out, parts = collect.out, at_temperatures(parts, collect.temperatures)
     if rank == 0:
         resume_or_set_aside(out / "parts", _fingerprint(collect, models), out / STALE,
                             f"collect: the parts logged in {out / 'parts'}")

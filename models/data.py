@@ -5,7 +5,8 @@ stage `prompts`, so no prompt is in two splits: that is checked).  Training rows
 rows (`label >= 0`) for hard labels and every row for soft labels (min(1, p/q) is the
 acceptance probability given the branch so far, defined after a rejection too).  A round with
 any non-finite feature (or soft label) is dropped whole, from training and from the replay, and
-counted; the count is logged.
+counted; the count is logged.  A dataset holds the rounds of one temperature (`collect` logs
+greedy and sampled rounds of the same prompts; greedy by default).
 
 The read is lean, for logs larger than the few hundred thousand rows of the default pipeline:
 every part's footer is validated first (no data read); one pass over the `prompt_id` and `split`
@@ -42,9 +43,10 @@ LABEL_TYPES = ("hard", "soft")
 SPLITS = ("train", "val")
 ROUND_KEYS = ["prompt_id", "round"]
 COLUMNS = ["prompt_id", "split", "round", "node", "parent", "label", "soft_label",
-           *FEATURE_NAMES]  # the columns of Split.rows, in this order
+           "accept_prob", "temperature", *FEATURE_NAMES]  # the columns of Split.rows, in order
 ID_DTYPES = {"round": np.int32, "node": np.int16, "parent": np.int16, "label": np.int8,
-             "soft_label": np.float32}  # as in rows.ROW_SCHEMA
+             "soft_label": np.float32, "accept_prob": np.float32,
+             "temperature": np.float32}  # as in rows.ROW_SCHEMA
 BATCH_ROWS = 65_536  # rows per streamed batch (a row group is read at a time)
 POOL = pa.system_memory_pool()  # malloc: memory of a batch read goes back, mimalloc hoards it
 PARQUET = pads.ParquetFileFormat(read_options=pads.ParquetReadOptions(
@@ -111,9 +113,9 @@ class Dataset:
     dropped_rounds: int
 
 
-def load(folder: Path, label: str = "hard") -> Dataset:
-    """Read, validate and split `folder/parts`; DataError names the folder (or the part file)
-    and the problem."""
+def load(folder: Path, label: str = "hard", temperature: float = 0.0) -> Dataset:
+    """Read, validate and split the rounds of `folder/parts` decoded at `temperature` (0:
+    greedy); DataError names the folder (or the part file) and the problem."""
     if label not in LABEL_TYPES:
         raise DataError(f"train.label must be one of {LABEL_TYPES}, got '{label}'")
     folder = Path(folder)
@@ -127,7 +129,8 @@ def load(folder: Path, label: str = "hard") -> Dataset:
         raise DataError(f"{folder}/parts: the parts hold no rows")
     splits, dropped = {}, 0
     for name in SPLITS:
-        splits[name], lost = _split(parts, name, counts[name], prompts, folder, label)
+        splits[name], lost = _split(parts, name, counts[name], prompts, folder, label,
+                                    temperature)
         dropped += lost
     if dropped:
         log.warning("%s: dropped %d round(s) with non-finite features or labels", folder, dropped)
@@ -187,9 +190,9 @@ def _census(parts: list[Path], folder: Path) -> tuple[Counter, np.ndarray]:
 
 
 def _split(parts: list[Path], name: str, n: int, prompts: np.ndarray, folder: Path,
-           label: str) -> tuple[Split, int]:
-    """One split streamed into its final arrays, sorted, non-finite rounds dropped; with the
-    number of rounds dropped."""
+           label: str, temperature: float) -> tuple[Split, int]:
+    """One split streamed into its final arrays, sorted, the rows of other temperatures and the
+    non-finite rounds dropped; with the number of rounds dropped."""
     codes = np.empty(n, np.int32)  # index into `prompts` (sorted: code order = string order)
     ids = {column: np.empty(n, dtype) for column, dtype in ID_DTYPES.items()}
     matrix_t = np.empty((len(FEATURE_NAMES), n), np.float32)  # [F, n]: a column per feature
@@ -211,11 +214,12 @@ def _split(parts: list[Path], name: str, n: int, prompts: np.ndarray, folder: Pa
     if filled != n:
         raise DataError(f"{folder}/parts: the parts changed while being read")
     _sort(codes, ids, matrix_t)
-    keep, dropped = _finite_rounds(codes, ids, matrix_t, label)
+    keep, dropped = _finite_rounds(codes, ids, matrix_t, label, temperature)
     if keep is not None:
         codes, ids, matrix_t = _compact(codes, ids, matrix_t, keep)
     if not len(codes):
-        raise DataError(f"{folder}: no usable rows of split '{name}'")
+        raise DataError(f"{folder}: no usable rows of split '{name}' at temperature "
+                        f"{temperature:g}")
     matrix = matrix_t.T  # [n, F], Fortran-ordered: what the DataFrame's float block holds
     rows = pd.concat([pd.DataFrame({
         "prompt_id": pd.Categorical.from_codes(codes, categories=pd.Index(prompts, dtype=str)),
@@ -262,19 +266,21 @@ def _sort(codes: np.ndarray, ids: dict[str, np.ndarray], matrix_t: np.ndarray) -
 
 
 def _finite_rounds(codes: np.ndarray, ids: dict[str, np.ndarray], matrix_t: np.ndarray,
-                   label: str) -> tuple[np.ndarray | None, int]:
-    """(rows to keep, or None for all; rounds dropped): a round with any non-finite feature (or
-    soft label, for soft labels) goes whole."""
+                   label: str, temperature: float) -> tuple[np.ndarray | None, int]:
+    """(rows to keep, or None for all; rounds dropped): the rows at `temperature`, less any
+    round with a non-finite feature (or soft label, for soft labels), which goes whole."""
+    other = ids["temperature"] != np.float32(temperature)
     bad = np.zeros(len(codes), bool)
     for row in matrix_t:
         bad |= ~np.isfinite(row)
     if label == "soft":
         bad |= ~np.isfinite(ids["soft_label"])
+    bad &= ~other
     if not bad.any():
-        return None, 0
+        return (~other if other.any() else None), 0
     keys = codes.astype(np.int64) * (int(ids["round"].max()) + 1) + ids["round"]
     bad_rounds = np.unique(keys[bad])
-    return ~np.isin(keys, bad_rounds), len(bad_rounds)
+    return ~other & ~np.isin(keys, bad_rounds), len(bad_rounds)
 
 
 def _compact(codes: np.ndarray, ids: dict[str, np.ndarray], matrix_t: np.ndarray,

@@ -1,10 +1,13 @@
 """Logged draft steps: the row schema, the decode-loop hook that makes rows, Parquet parts.
 
-One row per drafted token: ids, the feature vector (`specstop.features.FEATURES`, which holds
-the depth), labels.  `label` is the hard label (1 accepted, 0 rejected) given that every
-earlier token of its branch was accepted; tokens after the first rejection of their branch keep
-their row with `label = -1` and `after_rejection = True` (they count wasted draft steps in the
-simulator) but are not training examples.
+One row per drafted token: ids (the round's `temperature` among them), the feature vector
+(`specstop.features.FEATURES`, which holds the depth), labels.  `label` is the hard label (1
+accepted, 0 rejected) given that every earlier token of its branch was accepted; tokens after
+the first rejection of their branch keep their row with `label = -1` and `after_rejection = True`
+(they count wasted draft steps in the simulator) but are not training examples.  `soft_label`
+is min(1, p/q), `accept_prob` the exact chance the token is accepted at its parent given that
+the parent was and its earlier siblings were not (`decoder.verify.acceptance`; every row, under
+greedy decoding the hard label where there is one).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ T = TypeVar("T")
 ID_COLUMNS = [
     ("prompt_id", pa.string()),
     ("split", pa.string()),
+    ("temperature", pa.float32()),  # the round's sampling temperature (0: greedy)
     ("round", pa.int32()),
     ("node", pa.int16()),
     ("parent", pa.int16()),
@@ -38,6 +42,7 @@ LABEL_COLUMNS = [
     ("label", pa.int8()),
     ("after_rejection", pa.bool_()),
     ("soft_label", pa.float32()),
+    ("accept_prob", pa.float32()),
     ("p_target", pa.float32()),
     ("q_draft", pa.float32()),
 ]
@@ -50,16 +55,17 @@ class RoundLogger:
 
     def __init__(self) -> None:
         self.columns: dict[str, list] = {name: [] for name in ROW_SCHEMA.names}
-        self.prompt_id, self.split = "", ""
+        self.prompt_id, self.split, self.temperature = "", "", 0.0
 
-    def start(self, prompt_id: str, split: str) -> None:
-        self.prompt_id, self.split = prompt_id, split
+    def start(self, prompt_id: str, split: str, temperature: float = 0.0) -> None:
+        self.prompt_id, self.split, self.temperature = prompt_id, split, temperature
 
     def __call__(self, record: RoundRecord) -> None:
         n = record.tokens.shape[0]
         c = self.columns
         c["prompt_id"] += [self.prompt_id] * n
         c["split"] += [self.split] * n
+        c["temperature"] += [self.temperature] * n
         c["round"] += [record.round] * n
         for name, values in [("node", record.node), ("parent", record.parent),
                              ("branch", record.branch),
@@ -71,6 +77,7 @@ class RoundLogger:
         c["after_rejection"] += (record.labels < 0).tolist()
         ratio = record.p_target / record.q_draft.clamp_min(1e-30)
         c["soft_label"] += torch.clamp(ratio, max=1.0).tolist()
+        c["accept_prob"] += record.accept_prob.tolist()
         c["p_target"] += record.p_target.tolist()
         c["q_draft"] += record.q_draft.tolist()
 

@@ -6,7 +6,14 @@ node is accepted iff its parent is and its token is the target's argmax at the p
 whatever else the tree holds, so one log scores every sub-tree of it exactly: a policy that
 verifies the ancestor-closed set K yields 1 + |accepted in K| tokens and costs its draft steps
 (one per level fed, at the width fed, decision latency included) plus one target pass over
-1 + |K| tokens (`TreeCosts`, measured, in target one-token steps).  Policies:
+1 + |K| tokens (`TreeCosts`, measured, in target one-token steps).  Sampled rounds are scored
+by their exact expected tokens given the drafted tree (the verification's draws integrated out,
+not the one logged): each row's `accept_prob` is its exact
+chance of acceptance given its parent was accepted and its earlier siblings were not, which does
+not depend on later siblings, so for any K closed under parents and earlier siblings a round
+yields 1 + sum over K of P(parent accepted) * prod over earlier siblings (1 - a) * a (`gain`);
+a superset logged at the same temperature is the same draw for every sub-tree (the first k of
+the draft's k' draws are its k draws).  Policies:
 
 - static: a shape (children per node at levels 1, 2, 3, then 1; a depth), the same every round:
   chains (`sd`), `ti-mcsd` (3, 1, ...), `mcsd` (2, 2, ...) and every other shape of the grid;
@@ -15,7 +22,9 @@ verifies the ancestor-closed set K yields 1 + |accepted in K| tokens and costs i
   nodes, closed under parents and earlier siblings), n tuned by replay;
 - dynamic (`decoder.tree_rule`): per-node survival from a probability (the draft's own: EAGLE-2;
   a learned model), expand and verify as the runtime does, (expand, max_width) on a grid and
-  rho by Dinkelbach's iteration;
+  rho by Dinkelbach's iteration; on sampled rounds every drafted node is verified, and the
+  sampling rule (a child count per node from s * r[d][j], r fitted on sampled train rows) is
+  tuned by `tune_sampling`;
 - oracle: drafts and verifies exactly the accepted path, or nothing, knowing it in advance;
 - `ar`: every round gated off (`gated`: the root alone, one one-token pass), speedup exactly 1;
   a round gate (`models.round_gate`) gates some rounds off before a dynamic tree drafts.
@@ -33,7 +42,7 @@ import pandas as pd
 
 from specstop.decoder.costs import CostModel
 from specstop.decoder.tree import Tree
-from specstop.decoder.tree_rule import TreeRule, verify_cost_table
+from specstop.decoder.tree_rule import TreeRule, children, verify_cost_table
 
 from .data import ROUND_KEYS
 from .simulate import parent_rows, path_product
@@ -57,9 +66,10 @@ class TreeCosts:
         step = np.array([0.0] + [costs.draft_step(w, extra) for w in range(1, widths + 1)])
         return cls(verify, step)
 
-    def rule(self, branching: tuple[int, ...], expand: float, rho: float, width: int
-             ) -> TreeRule:
-        return TreeRule(branching, expand, rho, width, tuple(self.verify.tolist()))
+    def rule(self, branching: tuple[int, ...], expand: float, rho: float, width: int,
+             rank_accept: tuple[tuple[float, ...], ...] = ()) -> TreeRule:
+        return TreeRule(branching, expand, rho, width, tuple(self.verify.tolist()),
+                        rank_accept=rank_accept)
 
 
 @dataclass(frozen=True)
@@ -94,9 +104,14 @@ class TreeReplay:
     sibling_group: np.ndarray  # [n] id of (round, parent)
     accepted: np.ndarray  # [n] bool, hard label 1
     cap: np.ndarray  # [R] deepest logged level
+    sampled: bool  # sampled rounds: every drafted node is verified (`TreeRule.exact_under`)
+    tested: np.ndarray  # [n] P(node tested | any policy verifying it, its ancestors and its
+    # earlier siblings): greedy, labelled; sampled, exact from `accept_prob`
+    gain: np.ndarray  # [n] P(node accepted), the same way: a round yields 1 + sum over the kept
 
     @classmethod
     def from_rows(cls, rows: pd.DataFrame, branching: tuple[int, ...]) -> "TreeReplay":
+        """Rows of one temperature; sampled rows are scored by their exact `accept_prob`."""
         round_index = rows.groupby(ROUND_KEYS, sort=False, observed=True).ngroup().to_numpy()
         node, parent = rows["node"].to_numpy().astype(np.int64), rows["parent"].to_numpy()
         level = rows["depth"].to_numpy().astype(np.int64)
@@ -104,8 +119,15 @@ class TreeReplay:
         np.maximum.at(cap, round_index, level)
         tree = Tree(1, branching[: int(level.max())])
         groups = pd.Series(round_index * (len(tree.parent) + 1) + parent + 1).factorize()[0]
-        return cls(tree, round_index, level, node, parent_rows(round_index, node, parent),
-                   groups, rows["label"].to_numpy() == 1, cap)
+        parent_row, label = parent_rows(round_index, node, parent), rows["label"].to_numpy()
+        sampled = "temperature" in rows and bool((rows["temperature"] > 0).any())
+        if sampled:
+            tested = _tested(rows["accept_prob"].to_numpy(np.float64), level, parent_row, groups)
+            gain = tested * rows["accept_prob"].to_numpy(np.float64)
+        else:
+            tested, gain = (label >= 0).astype(np.float64), (label == 1).astype(np.float64)
+        return cls(tree, round_index, level, node, parent_row, groups, label == 1, cap, sampled,
+                   tested, gain)
 
     @property
     def rounds(self) -> int:
@@ -124,7 +146,7 @@ class TreeReplay:
         if gated is not None:
             kept, fed = kept & ~gated[self.round_index], np.where(gated[:, None], 0, fed)
         verified = np.bincount(self.round_index, kept, self.rounds)
-        tokens = 1 + np.bincount(self.round_index, kept & self.accepted, self.rounds)
+        tokens = 1 + np.bincount(self.round_index, kept * self.gain, self.rounds)
         cost = costs.step[fed].sum(axis=1) + costs.verify[1 + verified.astype(np.int64)]
         return TreeResult(float(tokens.sum() / cost.sum()), float(tokens.mean()),
                           float(verified.mean()), float((fed > 0).sum(axis=1).mean()))
@@ -150,7 +172,12 @@ class TreeReplay:
                 gated: np.ndarray | None = None) -> TreeResult:
         """The runtime's rule (`decoder.tree_rule`) with per-row acceptance probabilities p, the
         rounds `gated` [R] off (`decoder.round_gate`) emitting the root alone."""
+        rule = rule.exact_under(not self.sampled)
         s = path_product(p, self.level, self.parent_row)  # each row's survival
+        if rule.rank_accept:
+            kept, fed = self._counted(s, rule)
+            return self.score(kept, self._fed_widths(fed, np.ones(self.rounds, np.int64)),
+                              costs, gated)
         candidate = self.level == 1
         fed = np.zeros(len(s), dtype=bool)
         for d in range(1, self.max_depth):
@@ -162,6 +189,32 @@ class TreeReplay:
         kept = self._verify(s, candidate, rule) if rule.prune else candidate
         root = np.ones(self.rounds, dtype=np.int64)
         return self.score(kept, self._fed_widths(fed, root), costs, gated)
+
+    def _counted(self, s: np.ndarray, rule: TreeRule) -> tuple[np.ndarray, np.ndarray]:
+        """The sampling rule's tree of every round: ([n] rows drafted and verified, [n] rows
+        fed), `tree_rule.children` level by level with the rounds as groups."""
+        rank = self.tree.rank[self.node].numpy()
+        counts = np.zeros(len(s), dtype=np.int64)  # children given to each row
+        root = children(np.ones(self.rounds), 0, rule, np.arange(self.rounds))
+        kept = (self.level == 1) & (rank < root[self.round_index])
+        for d in range(1, self.max_depth):
+            rows = np.flatnonzero(kept & (self.level == d) & (d < self.cap[self.round_index]))
+            counts[rows] = children(s[rows], d, rule, self.round_index[rows])
+            below = np.flatnonzero((self.level == d + 1) & (self.parent_row >= 0))
+            up = self.parent_row[below]
+            kept[below] = kept[up] & (rank[below] < counts[up])
+        return kept, counts > 0
+
+    def rank_acceptance(self) -> tuple[tuple[float, ...], ...]:
+        """r[d][j]: the chance the j-th child at level d + 1 is accepted when tested (weighted by
+        how likely the test is), made non-increasing in j: the sampling rule's table."""
+        rank = self.tree.rank[self.node].numpy()
+        table = []
+        for d, width in enumerate(self.tree.branching, start=1):
+            at = [(self.level == d) & (rank == j) for j in range(width)]
+            rate = [self.gain[a].sum() / max(self.tested[a].sum(), 1e-12) for a in at]
+            table.append(tuple(float(x) for x in np.minimum.accumulate(rate)))
+        return tuple(table)
 
     def _verify(self, s: np.ndarray, candidate: np.ndarray, rule: TreeRule) -> np.ndarray:
         """`tree_rule.verify_set` of every round at once: the n best candidates by the closed
@@ -204,6 +257,20 @@ class TreeReplay:
             rho = float((choice + 1).sum() / cost[choice].sum())
         return TreeResult(rho, float((choice + 1).mean()), float(choice.mean()),
                           float(choice.mean()))
+
+
+def _tested(accept: np.ndarray, level: np.ndarray, parent_row: np.ndarray,
+            sibling_group: np.ndarray) -> np.ndarray:
+    """[n] P(node tested) from each row's exact acceptance at its parent: its parent accepted
+    and every earlier sibling rejected (siblings in rank order; the first candidates' tests do
+    not depend on later ones, so this holds for any policy verifying a prefix of children)."""
+    rejected = pd.Series(1.0 - accept).groupby(sibling_group).cumprod()
+    tested = rejected.groupby(sibling_group).shift(1, fill_value=1.0).to_numpy(copy=True)
+    for d in range(2, int(level.max(initial=1)) + 1):
+        rows = np.flatnonzero((level == d) & (parent_row >= 0))
+        up = parent_row[rows]
+        tested[rows] *= tested[up] * accept[up]
+    return tested
 
 
 def _rank_within(groups: np.ndarray, score: np.ndarray, among: np.ndarray) -> np.ndarray:
@@ -305,3 +372,20 @@ def tune_dynamic(name: str, replay: TreeReplay, p: np.ndarray, costs: TreeCosts,
         curve.append((swept.verified, swept.speedup))
     setting = {"expand": rule.expand, "max_width": rule.max_width, "rho": rule.rho}
     return Tuned(name, result, setting, sorted(curve)), rule
+
+
+def tune_sampling(name: str, replay: TreeReplay, p: np.ndarray, costs: TreeCosts,
+                  rank_accept: tuple[tuple[float, ...], ...]) -> tuple[Tuned, TreeRule]:
+    """The sampling rule (`tree_rule.children`: child j of node i iff s_i * r[d][j] > expand,
+    at most max_width a level) on sampled rounds, scored by exact expected tokens: (expand,
+    max_width) over the grid; the curve sweeps expand at the best max_width."""
+    widths = [w for w in WIDTH_GRID if w < len(costs.step)]
+    results = {(e, w): replay.dynamic(p, costs.rule(replay.tree.branching, e, 0.0, w,
+                                                    rank_accept), costs)
+               for e in EXPAND_GRID for w in widths}
+    expand, width = max(results, key=lambda k: results[k].speedup)
+    result = results[(expand, width)]
+    rule = costs.rule(replay.tree.branching, expand, result.speedup, width, rank_accept)
+    curve = sorted((results[(e, width)].verified, results[(e, width)].speedup)
+                   for e in EXPAND_GRID)
+    return Tuned(name, result, {"expand": expand, "max_width": width, "rho": rule.rho}, curve), rule

@@ -38,10 +38,12 @@ def round_rows(prompt_id: str, split: str, index: int, width: int, depth: int,
             features.update(q_token=q, q_top1=q, q_entropy=float(-np.log(q)), depth=float(level),
                             sibling_rank=float(b if level == 1 else 0))
             soft = min(1.0, q ** 2 + float(rng.uniform(0, 0.05)))
-            values = {"prompt_id": prompt_id, "split": split, "round": index, "node": node,
+            values = {"prompt_id": prompt_id, "split": split, "temperature": 0.0,
+                      "round": index, "node": node,
                       "parent": 0 if level == 1 else node - width, "branch": b,
                       "token": int(rng.integers(100)), **features, "label": label,
                       "after_rejection": label < 0, "soft_label": soft,
+                      "accept_prob": float(label == 1),
                       "p_target": soft * q, "q_draft": q}
             for name in ROW_SCHEMA.names:
                 rows[name].append(values[name])

@@ -21,6 +21,7 @@ from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, generate
 from specstop.decoder.policy import FixedDepth
 from specstop.common.errors import DataError
+from specstop.models import data
 from specstop.models.rows import RoundLogger, read_part, read_parts, write_part
 from specstop.common.errors import SpecstopError
 from specstop.common.params import validate
@@ -75,6 +76,23 @@ def test_collect_writes_labelled_rows_and_resumes(tiny_target, tmp_path, monkeyp
     collect.run(validate(params))
     depths = read_parts(out).column("depth").to_numpy()
     assert depths.max() == 3 and sorted_rows(out) != first
+
+
+def test_collect_logs_each_temperature_in_parts_of_its_own(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    params = make_workdir(tmp_path, tiny_target)
+    params["collect"].update(max_prompts=2, temperatures=[0.0, 1.0])
+    collect.run(validate(params))
+    out = Path(params["collect"]["out"])
+    assert sorted(p.stem for p in (out / "parts").glob("*.parquet")) == [
+        "train-00000", "train-00000-T1", "val-00000", "val-00000-T1"]
+    rows = read_parts(out).to_pandas()
+    assert set(rows["temperature"]) == {0.0, 1.0}
+    greedy, sampled = rows[rows["temperature"] == 0], rows[rows["temperature"] == 1]
+    labelled = greedy[greedy["label"] >= 0]
+    assert (labelled["accept_prob"] == labelled["label"]).all()
+    assert sampled["accept_prob"].between(0, 1).all() and sampled["accept_prob"].nunique() > 2
+    assert data.load(out, temperature=1.0).val.rows["temperature"].eq(1.0).all()
 
 
 def test_collect_refuses_prompts_the_draft_learned_from(tiny_target, tmp_path, monkeypatch):
@@ -181,6 +199,7 @@ def test_logged_labels_replay_to_the_verifier_decision(config):
         assert abs(rows["p_target"][i] - float(probs[parent_index, token])) < 1e-4
         assert abs(rows["soft_label"][i] - min(1.0, rows["p_target"][i] / rows["q_draft"][i])) \
             < 1e-6
+        assert rows["accept_prob"][i] == label  # greedy: the exact probability is the label
         checked[label] += 1
     assert checked[0] > 0 and checked[1] > 0
 

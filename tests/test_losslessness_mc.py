@@ -256,14 +256,20 @@ METHODS = {
     "mcsd-wr": replace(BASE, method="mcsd", without_replacement=False),
     "ti-mcsd": replace(BASE, method="ti-mcsd"),
     "tree": replace(BASE, method="tree", max_depth=3),
+    "tree-counts": replace(BASE, method="tree", max_depth=3),
 }
 # Expands some nodes but not all (the draft's path confidence above 0.3, two per level at most);
 # its pruning (verify a node while its survival beats 0.5 x 0.5 target steps) is for greedy
 # decoding only, so these sampled runs must verify every drafted node.
 TREE_RULE = TreeRule((2, 2, 1), expand=0.3, rho=0.5, max_width=2, verify_cost=(0.0, 1.0, 1.5))
-POLICIES = {"tree": ConfidenceTree(TREE_RULE)}
+# The sampling rule: child j of node i iff its path confidence times r[d][j] exceeds 0.2, at most
+# three a level (0 to 2 children per node, decided before they are drawn).
+SAMPLING_RULE = replace(TREE_RULE, expand=0.2, max_width=3,
+                        rank_accept=((0.9, 0.5), (0.8, 0.4), (0.7,)))
+POLICIES = {"tree": ConfidenceTree(TREE_RULE), "tree-counts": ConfidenceTree(SAMPLING_RULE)}
 MAIN = [(method, 1.0, 1.0) for method in ("sd", "mcsd-wor", "ti-mcsd")]
-SWEEP = ([("mcsd-wr", 1.0, 1.0), ("tree", 1.0, 1.0)] + [(method, 0.3, 0.9) for method in METHODS]
+SWEEP = ([("mcsd-wr", 1.0, 1.0), ("tree", 1.0, 1.0), ("tree-counts", 1.0, 1.0)]
+         + [(method, 0.3, 0.9) for method in METHODS]
          + [("sd", 0.3, 1.0), ("ti-mcsd", 0.3, 1.0), ("mcsd-wor", 1.0, 0.9), ("mcsd-wr", 1.0, 0.9)])
 
 
@@ -311,6 +317,25 @@ def test_lossy_ti_mcsd_fails_the_same_test(pool: ProcessPoolExecutor) -> None:
     assert rows.p_value < 1e-6 and rows.tv > 0.03, rows
     exact = Run(replace(config, lossy=False), 0, 10_000, lossy_tables=True)
     assert_lossless(sequences(submit(pool, exact)), probs, 0.03, 0.1, exact.min_transitions)
+
+
+class PruningRule(TreeRule):
+    """The lossy rule: drops drafted nodes by their own survival (`verify_set`) under sampling
+    too, which `TreeRule.exact_under` forbids."""
+
+    def exact_under(self, greedy: bool) -> TreeRule:
+        return self
+
+
+def test_pruning_by_own_score_fails_the_same_test(pool: ProcessPoolExecutor) -> None:
+    """Negative control: the sampling rule's tree with each node verified only while its own
+    path confidence beats 0.5 (rho 1, each node 0.5 target steps) biases the output."""
+    lossy = PruningRule(**{**SAMPLING_RULE.__dict__, "rho": 1.0})
+    run = replace(run_for("tree-counts", 1.0, 1.0, seed=2, n=20_000),
+                  policy=ConfidenceTree(lossy))
+    probs = expected_transitions(run.tables()[0], run.config.sampling)
+    rows = fit_rows(transition_counts(sequences(submit(pool, run))), probs)
+    assert rows.p_value < 1e-6, rows
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from specstop.decoder.tree import Tree
-from specstop.decoder.tree_rule import TreeRule, feed, verify_set
+from specstop.decoder.tree_rule import TreeRule, children, feed, verify_set
 from specstop.models.tree_replay import (TreeCosts, TreeReplay, best_static, sequoia, shape_nodes,
                                          tune_dynamic)
 
@@ -110,3 +110,102 @@ def test_oracle_bounds_every_policy_and_the_grid_contains_the_chain():
         assert speed <= oracle + 1e-12
     assert tuned.result.speedup == pytest.approx(replay.dynamic(val["p"].to_numpy(), rule,
                                                                 COSTS).speedup)
+
+
+# ---- sampled rounds: exact expected tokens -------------------------------------------------
+
+
+def sampled_rows(rounds: int, seed: int) -> pd.DataFrame:
+    """Sampled rounds on the superset tree: every node's exact acceptance at its parent (given
+    the parent accepted and the earlier siblings rejected), lower for later ranks."""
+    rng = np.random.default_rng(seed)
+    tree = Tree(1, BRANCHING)
+    rows = []
+    for r in range(rounds):
+        cap = tree.max_depth if r < rounds - 3 else int(rng.integers(1, tree.max_depth + 1))
+        for i in range(1, tree.size(cap)):
+            a = float(rng.uniform(0, 1) * 0.6 ** int(tree.rank[i]))
+            rows.append({"prompt_id": f"p{r // 5}", "temperature": 0.7, "round": r % 5,
+                         "node": i, "parent": int(tree.parent[i]), "depth": int(tree.depth[i]),
+                         "label": -1, "accept_prob": a, "p": float(rng.beta(2, 2))})
+    return pd.DataFrame(rows)
+
+
+def walks(accept: dict[int, float], kept: set[int], tree: Tree, n: int,
+          rng: np.random.Generator) -> float:
+    """Mean accepted drafted tokens of n draws of the multi-candidate walk over `kept`: at each
+    node its kept children are tested in rank order, each accepted with its probability."""
+    total = 0
+    for _ in range(n):
+        node = 0
+        while True:
+            for child in (c for c in tree.children(node) if c in kept):
+                if rng.uniform() < accept[child]:
+                    node, total = child, total + 1
+                    break
+            else:
+                break
+    return total / n
+
+
+def test_sampled_expected_tokens_by_hand():
+    """Root children a = .5, .4; below the first, a = .3, .6: 1 + .5 + .5 * .4 + .5 * .3
+    + .5 * .7 * .6 tokens per round."""
+    rows = pd.DataFrame({"prompt_id": "p", "temperature": 0.7, "round": 0, "node": [1, 2, 3, 4],
+                         "parent": [0, 0, 1, 1], "depth": [1, 1, 2, 2], "label": [1, -1, 0, 1],
+                         "accept_prob": [0.5, 0.4, 0.3, 0.6]})
+    replay = TreeReplay.from_rows(rows, (2, 2))
+    result = replay.static(np.ones(len(replay.tree.parent), dtype=bool), COSTS)
+    assert result.tokens_per_round == pytest.approx(1 + 0.5 + 0.2 + 0.15 + 0.21, abs=1e-12)
+
+
+@pytest.mark.parametrize("expand,width", [(0.0, 8), (0.1, 3), (0.25, 2)])
+def test_sampling_rule_replay_is_the_runtime_rule_and_its_monte_carlo(expand, width):
+    """The replay's sampling rule equals `children` applied one round at a time, and its exact
+    expected tokens per round equal a Monte-Carlo of the walk over the kept nodes."""
+    rows = sampled_rows(12, seed=5)
+    replay = TreeReplay.from_rows(rows, BRANCHING)
+    table = replay.rank_acceptance()
+    rule = COSTS.rule(BRANCHING, expand, 0.0, width, table)
+    result = replay.dynamic(rows["p"].to_numpy(), rule, COSTS)
+    tree, rng = Tree(1, BRANCHING), np.random.default_rng(0)
+    tokens = cost = mc = 0.0
+    for _, rnd in rows.groupby(["prompt_id", "round"], sort=False):
+        p = {int(n): x for n, x in zip(rnd["node"], rnd["p"])}
+        accept = {int(n): a for n, a in zip(rnd["node"], rnd["accept_prob"])}
+        cap, s = int(rnd["depth"].max()), {0: 1.0}
+        level, kept, widths = [0], set(), []
+        for d in range(cap):
+            counts = children(np.array([s[c] for c in level]), d, rule)
+            fed = [c for c, k in zip(level, counts) if k > 0]
+            if not fed:
+                break
+            widths.append(len(fed))
+            level = [k for c, n in zip(level, counts) for k in tree.children(c)[:n]]
+            kept |= set(level)
+            for k in level:
+                s[k] = s[int(tree.parent[k])] * p[k]
+        exact = 0.0
+        for c in kept:  # P(accepted): the parent's, the earlier siblings rejected, its own
+            path, node = 1.0, c
+            while node:
+                up = int(tree.parent[node])
+                earlier = [b for b in tree.children(up) if b < node]
+                path *= accept[node] * np.prod([1 - accept[b] for b in earlier])
+                node = up
+            exact += path
+        tokens += 1 + exact
+        mc += 1 + walks(accept, kept, tree, 3000, rng)
+        cost += sum(COSTS.step[w] for w in widths) + COSTS.verify[1 + len(kept)]
+    assert result.speedup == pytest.approx(tokens / cost, rel=1e-12)
+    assert result.tokens_per_round == pytest.approx(tokens / replay.rounds, rel=1e-12)
+    assert mc / replay.rounds == pytest.approx(tokens / replay.rounds, abs=0.03)
+
+
+def test_rank_acceptance_is_the_tested_weighted_rate_and_non_increasing():
+    replay = TreeReplay.from_rows(sampled_rows(20, seed=6), BRANCHING)
+    table = replay.rank_acceptance()
+    assert [len(r) for r in table] == list(BRANCHING)
+    assert all(a >= b for r in table for a, b in zip(r, r[1:]))
+    first = (replay.level == 1) & (replay.tree.rank[replay.node].numpy() == 0)
+    assert table[0][0] == pytest.approx(replay.gain[first].mean())  # tested every round

@@ -600,16 +600,19 @@ DYNAMIC_TOL = 1e-7  # the draft's q passes through float32 (`warp`), as in the d
 # Feed the candidates whose path confidence exceeds 0.3 (the best one only); prune (greedy only)
 # those whose survival is below ~0.25.
 DYNAMIC_RULE = dict(expand=0.3, rho=0.5, max_width=1, verify_cost=(0.0, 1.0, 1.5))
+# The sampling rule: child j of node i iff s_i * r[d][j] > 0.2, at most three a level; a level-1
+# node's own token decides how many children it gets (0, 1 or 2), never whether it is verified.
+SAMPLING_RULE = dict(DYNAMIC_RULE, expand=0.2, max_width=3, rank_accept=((0.9, 0.5), (0.8, 0.4)))
 
 
 def dynamic_joint(scripted: ScriptedUniform, children: ScriptedChildren,
-                  branching: tuple[int, int], eos_id: int | None
+                  branching: tuple[int, int], eos_id: int | None, rule: dict = DYNAMIC_RULE
                   ) -> tuple[torch.Tensor, torch.Tensor, set[tuple[int, ...]]]:
     """(emitted joint [V, V+1] of the first two tokens after root 0, target-only decoding's,
     every verify tree's parents) over every drafted tree and accept/reject branch."""
     v, root = 4, 0
     p, q = bigram(v, 1, zeros=1), bigram(v, 2, zeros=1)
-    policy = ConfidenceTree(TreeRule(branching, **DYNAMIC_RULE))
+    policy = ConfidenceTree(TreeRule(branching, **rule))
     sampling = Sampling(temperature=1.0)
     context = RoundContext(0, 0, 0.0, 0.0, root_statistics(p[root]))
     joint, shapes = torch.zeros(v, v + 1, dtype=torch.float64), set()
@@ -639,13 +642,51 @@ def test_dynamic_tree_emits_the_target_bigram(scripted: ScriptedUniform,
         (joint - expected).abs().max()
 
 
+@pytest.mark.parametrize("rule", [DYNAMIC_RULE, SAMPLING_RULE], ids=["feed", "counts"])
 def test_pruning_a_sampled_dynamic_tree_is_biased(scripted: ScriptedUniform,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  rule: dict) -> None:
     """Negative control (tree_rule.py): verifying only the candidates whose own survival is
     worth it changes the output distribution when sampling; hence `exact_under`."""
     children = ScriptedChildren(True)
     monkeypatch.setattr(dynamic, "draft_children", children)
     monkeypatch.setattr(TreeRule, "exact_under", lambda rule, greedy: rule)
-    joint, expected, _ = dynamic_joint(scripted, children, (2, 2), None)
+    joint, expected, _ = dynamic_joint(scripted, children, (2, 2), None, rule)
     assert abs(float(joint.sum()) - 1.0) < DYNAMIC_TOL
     assert (joint - expected).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("eos_id", [None, 1], ids=["no-eos", "eos"])
+@pytest.mark.parametrize("wor", [False, True], ids=["with-replacement", "without-replacement"])
+def test_sampling_tree_rule_emits_the_target_bigram(scripted: ScriptedUniform,
+                                                    monkeypatch: pytest.MonkeyPatch, wor: bool,
+                                                    eos_id: int | None) -> None:
+    """The sampling rule (`tree_rule.children` with r) is exact: the count of candidates tested
+    at a node never depends on their draws."""
+    children = ScriptedChildren(wor)
+    monkeypatch.setattr(dynamic, "draft_children", children)
+    joint, expected, shapes = dynamic_joint(scripted, children, (2, 2), eos_id, SAMPLING_RULE)
+    assert len(shapes) > 2  # the counts followed the candidates
+    assert torch.allclose(joint, expected, atol=DYNAMIC_TOL, rtol=0), \
+        (joint - expected).abs().max()
+
+
+@pytest.mark.parametrize("wor", [False, True], ids=["with-replacement", "without-replacement"])
+def test_acceptance_is_each_test_s_exact_probability(wor: bool) -> None:
+    """`acceptance` (the logged `accept_prob`) is min(1, t) of every test the walk makes, for
+    every drafted node (repeats included), and the arg-max match under greedy decoding."""
+    tree, v = Tree(1, (3, 2)), 4
+    p, q = bigram(v, 3), bigram(v, 4)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        ids = torch.randint(0, v, (tree.size(2),), generator=g)
+        sampled = verify.acceptance(tree, 2, ids, p[ids], q[ids], Sampling(1.0), wor)
+        _, made = sampled_walk(tree, 2, ids, p[ids], q[ids], wor, None,
+                               torch.rand(ids.shape[0], dtype=torch.float64, generator=g))
+        tested = ~made.isnan()
+        assert sampled[0].isnan() and bool((sampled[1:] >= 0).all() & (sampled[1:] <= 1).all())
+        assert torch.allclose(sampled[tested], made[tested].clamp_max(1.0),
+                              atol=TOL, rtol=0)
+        greedy = verify.acceptance(tree, 2, ids, p[ids], q[ids], Sampling(), wor)
+        parent = tree.parent[1:]
+        assert torch.equal(greedy[1:], (ids[1:] == p[ids].argmax(dim=1)[parent]).double())
