@@ -303,9 +303,11 @@ def table(metrics: dict) -> str:
     latency, nan = metrics["latency"], float("nan")
     rows += claims(metrics)
     share = metrics["summary"].get("winner_decision_share")
+    gated = metrics.get(EXPORTED, {}).get("gated_share")
     rows.append(f"exported policy's decisions: {100 * (share if share is not None else nan):.2f}% "
                 f"of its decode time ({latency['draft_step_ms'].get('1', nan):.3f} ms per draft "
-                f"step); targets: {metrics['targets']}")
+                f"step), {100 * (gated if gated is not None else nan):.1f}% of its rounds not "
+                f"drafted (round gate); targets: {metrics['targets']}")
     return "\n".join(rows)
 
 
