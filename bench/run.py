@@ -112,7 +112,9 @@ def run(config: BenchConfig, models: ModelsConfig, collect: CollectConfig,
              "ti_width": tree.ti_width, "max_depth": tree.max_depth,
              "sd_gamma": plan.sd_gamma, "static_gamma": plan.static_gamma,
              "confidence_threshold": plan.confidence, "winner": plan.winner.meta["family"],
-             "winner_rule": plan.winner.rule, "methods": config.methods,
+             "winner_rule": plan.winner.rule,
+             "winner_fallback": plan.winner.meta.get("fallback"),  # "ar": its tree never drafts
+             "methods": config.methods,
              "sampling_methods": config.sampling_methods,
              "order": "warm-up decode per method, then the method order rotated per prompt",
              "peers": _peer_setup(plan, peers, config.prompt_lookup_tokens)}

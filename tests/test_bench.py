@@ -151,6 +151,7 @@ def test_the_exported_fallback_runs_ar_and_reports_its_rounds_gated(tmp_path, ti
     assert tree["greedy_identical_to_ar"] and tree["draft_steps"] == 0
     assert (tree["gated_share"], ar["gated_share"]) == (1.0, 0.0)
     assert tree["simulated_speedup"] == 1.0 and tree["target_calls"] == ar["target_calls"]
+    assert metrics["setup"]["winner_fallback"] == "ar"
 
 
 def test_an_unknown_sampling_method_is_refused_before_the_work(tmp_path, monkeypatch):
