@@ -188,7 +188,7 @@ def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
     peer, note = _peer_draft(config.assistant_draft, models.draft)
     measured = draft.get("drafts", {}).get(Path(peer).name, {}) if peer else {}
     return Plan(sd_gamma=sd_gamma, static_gamma=static_gamma,
-                confidence=float(train["confidence"]["parameter"]),
+                confidence=_probability(train["confidence"]["parameter"]),
                 winner=winner,
                 families=families,
                 confidence_tree=TreeRule.from_dict(summary["confidence_tree_rule"]),
@@ -203,6 +203,12 @@ def _tree_speedup(meta: dict) -> float:
     """A stop model's replayed `tree` speed, behind its round gate (1 where it falls back to
     `ar`)."""
     return meta.get("gated_speedup") or meta["tree_speedup"]
+
+
+def _probability(threshold: float) -> float:
+    """A tuned threshold on a probability in [0, 1]: the replay's -inf (never stop) and +inf
+    (stop after one level) are 0 and 1 for the draft's probability of its own token (> 0)."""
+    return min(max(float(threshold), 0.0), 1.0)
 
 
 def _peer_draft(preferred: str | None, default: str) -> tuple[str | None, str]:

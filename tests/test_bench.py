@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -179,3 +180,8 @@ def test_the_paired_bootstrap_recovers_a_known_ratio():
                            resamples=2000)
     assert unpaired.ci95[1] - unpaired.ci95[0] > 3 * (high - low)  # pairing is what narrows it
     assert speed_ratio([10], [1.0], [10], [2.0]).as_dict() == {"ratio": 2.0, "ci95": None}
+
+
+def test_a_tuned_threshold_at_infinity_is_the_probability_it_means():
+    """The replay's "never stop" / "stop after a level" (-inf / +inf) run as 0 / 1."""
+    assert [bench._probability(t) for t in (-math.inf, 0.3, math.inf)] == [0.0, 0.3, 1.0]
