@@ -42,7 +42,7 @@ class Inputs:
     prompt_ids: list[str]
     domains: list[str]  # per prompt: its source
     same_draft_sd: str | None  # the specstop row that runs the transformers peer's draft
-    simulated: dict[str, float]  # method -> simulated speedup on val
+    simulated: dict[str, dict[str, float]]  # mode -> method -> simulated speedup on val
     resamples: int
     seed: int
 
@@ -50,8 +50,8 @@ class Inputs:
 def write(inputs: Inputs, setup: dict, latency: dict, path: Path, folder: Path) -> dict:
     """Write every output; return bench.json's content."""
     greedy = _mode(inputs, "greedy")
-    summary = _summary(inputs, greedy)
     sampling = _mode(inputs, "sampling") if "sampling" in inputs.results else {}
+    summary = {**_summary(inputs, greedy), "sampling": _sampling_summary(inputs, sampling)}
     metrics = {**greedy, "sampling": sampling, "setup": setup,
                "latency": latency, "summary": summary, "targets": _targets(greedy, summary)}
     write_json(path, metrics)
@@ -83,9 +83,10 @@ def _mode(inputs: Inputs, mode: str) -> dict:
         vs_ar = ratio(inputs, mode, r.method, AR)
         out[r.method] = {**_method(r, n, mode == "greedy"), "speedup_vs_ar": vs_ar.ratio,
                          "speedup_vs_ar_ci95": vs_ar.as_dict()["ci95"]}
-        if mode == "greedy" and r.method in inputs.simulated:
-            out[r.method]["simulated_speedup"] = inputs.simulated[r.method]
-            out[r.method]["measured_over_simulated"] = vs_ar.ratio / inputs.simulated[r.method]
+        simulated = inputs.simulated.get(mode, {}).get(r.method)
+        if simulated:
+            out[r.method]["simulated_speedup"] = simulated
+            out[r.method]["measured_over_simulated"] = vs_ar.ratio / simulated
     return out
 
 
@@ -104,6 +105,20 @@ def _method(result: MethodResult, n: int, greedy: bool) -> dict:
         out["greedy_identical_to_ar"] = result.identical_to_ar == n
         out["max_divergence_gap"] = max(gaps) if gaps else None
     return out
+
+
+def _sampling_summary(inputs: Inputs, sampling: dict) -> dict:
+    """The exported policy under sampling against `ar` and the fastest static method sampled
+    (None where the sampling run lacks them)."""
+    static = [name for name in STATIC if name in sampling]
+    best = max(static, key=lambda name: sampling[name]["tokens_per_s"]) if static else None
+    winner = sampling.get(EXPORTED)
+    return {"best_static": best,
+            "winner_vs_best_static": ratio(inputs, "sampling", EXPORTED, best).as_dict()
+            if winner and best else None,
+            "winner_vs_ar": _speedup(winner) if winner else None,
+            "winner_measured_over_simulated": winner.get("measured_over_simulated")
+            if winner else None}
 
 
 def _summary(inputs: Inputs, greedy: dict) -> dict:
@@ -261,6 +276,11 @@ def claims(metrics: dict) -> list[str]:
         lines.append(f"vs transformers ({s['hf_assisted_best']}, same draft as the sd row): "
                      f"exported policy {_ci(s['winner_vs_hf_assisted'])}, specstop sd "
                      f"{_ci(s['sd_vs_hf_assisted_same_draft'])}")
+    sampled = s.get("sampling") or {}
+    if sampled.get("winner_vs_best_static") is not None:
+        lines.append(f"sampling: exported policy vs the best static method sampled "
+                     f"({sampled['best_static']}): {_ci(sampled['winner_vs_best_static'])}; "
+                     f"vs ar {_ci(sampled['winner_vs_ar'])}")
     gap = s["max_divergence_gap"]
     lines.append(f"A/A noise (ar timed twice): {_ci(s['aa_noise'])}; {s['prompts']} prompts "
                  f"({', '.join(f'{d} {n}' for d, n in s['prompts_per_domain'].items())}); "

@@ -61,7 +61,7 @@ class Plan:
     families: dict[str, LearnedPolicy]  # the other exported families
     confidence_tree: TreeRule  # the EAGLE-2-style tree's tuned rule (the draft's confidence)
     static_tree: dict  # the replay's best static shape: {"widths": [...], "depth": d}
-    simulated: dict[str, float]  # method -> simulated speedup on val (greedy)
+    simulated: dict[str, dict[str, float]]  # mode -> method -> simulated speedup on val
     peer_draft: str | None  # the plain draft specstop and transformers both run
     peer_note: str  # what it is, or why there is none
     peer_gamma: int  # its `sd` γ, and transformers' static num_assistant_tokens
@@ -185,6 +185,9 @@ def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
                  "tree+confidence": trees["confidence_tree"]["simulated_speedup"],
                  "tree+stop_model": _tree_speedup(winner.meta),
                  **{f"tree+{f}": _tree_speedup(p.meta) for f, p in families.items()}}
+    sampled = (train["replay"].get("sampling") or {}).get("policies", {})
+    simulated_sampling = {"static-tree": sampled.get("static_tree", {}).get("simulated_speedup"),
+                          "tree+stop_model": winner.meta.get("sampling_tree_speedup")}
     peer, note = _peer_draft(config.assistant_draft, models.draft)
     measured = draft.get("drafts", {}).get(Path(peer).name, {}) if peer else {}
     return Plan(sd_gamma=sd_gamma, static_gamma=static_gamma,
@@ -194,7 +197,8 @@ def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
                 confidence_tree=TreeRule.from_dict(summary["confidence_tree_rule"]),
                 static_tree={"widths": trees["static_tree"]["widths"],
                              "depth": trees["static_tree"]["depth"]},
-                simulated=simulated, peer_draft=peer, peer_note=note,
+                simulated={"greedy": simulated, "sampling": simulated_sampling},
+                peer_draft=peer, peer_note=note,
                 peer_gamma=int(measured.get("best_gamma") or sd_gamma)
                 if peer != models.draft else sd_gamma)
 

@@ -72,13 +72,19 @@ def _unlinked(why: str) -> None:
 
 def _params(metrics: dict) -> dict:
     """The setup, and the summary's facts that are not ratios (winner, prompts, domains)."""
-    summary = {k: v for k, v in (metrics.get("summary") or {}).items() if not _is_ratio(v)}
-    return {**_flat(metrics.get("setup") or {}), **_flat(summary, "summary.")}
+    return {**_flat(metrics.get("setup") or {}),
+            **_flat(_facts(metrics.get("summary") or {}), "summary.")}
+
+
+def _facts(summary: dict) -> dict:
+    """The summary less its ratios (the sampled block's too)."""
+    return {k: _facts(v) if isinstance(v, dict) and not _is_ratio(v) else v
+            for k, v in summary.items() if not _is_ratio(v)}
 
 
 def _metrics(metrics: dict) -> dict:
     """Per method (greedy, and sampled under `sampling.`) its speedup over ar and tokens/s; per
-    summary ratio its value and 95% interval."""
+    summary ratio (the sampled ones under `summary.sampling.`) its value and 95% interval."""
     out = {}
     for prefix, mode in (("", metrics), ("sampling.", metrics.get("sampling") or {})):
         for name, method in methods(mode).items():
@@ -86,11 +92,14 @@ def _metrics(metrics: dict) -> dict:
                 continue
             out.update({_name(f"{prefix}{name}.{key}"): method[key]
                         for key in HEADLINE if method.get(key) is not None})
-    for key, entry in (metrics.get("summary") or {}).items():
-        if _is_ratio(entry):
-            out[f"summary.{key}.ratio"] = entry["ratio"]
-            if entry.get("ci95"):
-                out[f"summary.{key}.ci95_lo"], out[f"summary.{key}.ci95_hi"] = entry["ci95"]
+    summary = metrics.get("summary") or {}
+    blocks = (("summary.", summary), ("summary.sampling.", summary.get("sampling") or {}))
+    for prefix, block in blocks:
+        for key, entry in block.items():
+            if _is_ratio(entry):
+                out[f"{prefix}{key}.ratio"] = entry["ratio"]
+                if entry.get("ci95"):
+                    out[f"{prefix}{key}.ci95_lo"], out[f"{prefix}{key}.ci95_hi"] = entry["ci95"]
     return out
 
 

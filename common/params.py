@@ -303,6 +303,8 @@ class StopTrainConfig(Section):
     rho_iterations: PosInt = 5
     threshold_grid: Annotated[int, Field(ge=2)] = 200
     charge_decision_latency: bool = True
+    sampling_temperature: PosFloat | None = None  # the sampled rounds (one of
+    # collect.temperatures) the sampling tree rule is tuned on; None: no sampling rule
     logistic: LogisticParams = LogisticParams()
     lightgbm: LightGBMParams = LightGBMParams()
     mlp: MLPParams = MLPParams()

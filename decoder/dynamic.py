@@ -22,7 +22,7 @@ from specstop.features import RoundContext, draft_features, feature_index
 
 from .contracts import Proposal
 from .drafter import Drafter, draft_children
-from .policy import TreePolicy
+from .policy import TreePolicy, decoding_rule
 from .sampling import Sampling, warp
 from .tree import Tree
 from .tree_rule import children, verify_set
@@ -44,7 +44,7 @@ def propose_tree(
 ) -> tuple[Tree, Proposal]:
     """Draft S below `root` level by level while some candidate is given `children`, then cut
     it to V with `verify_set`; returns V and its Proposal."""
-    rule = policy.tree_rule.exact_under(sampling.greedy)
+    rule = decoding_rule(policy, sampling.greedy)
     levels = min(levels, rule.max_depth)
     drafted, frontier, decision = DraftedTree(root), np.zeros(1, dtype=np.int64), 0.0
     counts = children(drafted.survival, 0, rule)  # [m] children of each fed node
@@ -57,11 +57,12 @@ def propose_tree(
         candidates = draft_children(q, width, sampling, without_replacement, generator)  # [m, w]
         slots = np.flatnonzero(np.arange(width)[None, :] < counts[:, None])  # each one's first
         parent, rank = np.divmod(slots, width)  # [c] row of q and rank of each kept candidate
-        kept = torch.from_numpy(slots).to(r.device)
-        kids, n = candidates.flatten()[kept], candidates.numel()
+        kept = _kept(slots, candidates.numel(), r.device)
+        kids, n = _rows(candidates.flatten(), kept), candidates.numel()
         start = time.perf_counter()  # a decision: the candidates' features, p-hat, the rule
-        features = draft_features(q, candidates, depth + 1, candidates.new_zeros(n),
-                                  r[root].expand(n), drafted.confidence[rows], context)[kept]
+        features = _rows(draft_features(q, candidates, depth + 1, candidates.new_zeros(n),
+                                        r[root].expand(n), drafted.confidence[rows], context),
+                         kept)
         p_hat = policy.probabilities(features).double().cpu().numpy()
         survival = drafted.survival[frontier][parent] * p_hat
         next_counts = children(survival, depth + 1, rule) if depth + 1 < levels \
@@ -76,6 +77,15 @@ def propose_tree(
     keep = verify_set(*drafted.candidates(), rule)
     decision += time.perf_counter() - start
     return drafted.verify_proposal(keep, root_position, decision)
+
+
+def _kept(slots: np.ndarray, drafted: int, device: torch.device) -> torch.Tensor | None:
+    """The kept candidates' slots on the device; None (no transfer) when every one is kept."""
+    return None if len(slots) == drafted else torch.from_numpy(slots).to(device)
+
+
+def _rows(values: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    return values if kept is None else values[kept]
 
 
 class DraftedTree:

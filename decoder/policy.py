@@ -101,17 +101,25 @@ class ConfidenceThreshold:
 class TreePolicy(Protocol):
     name: str
     tree_rule: TreeRule
+    sampling_rule: TreeRule | None  # the rule tuned on sampled rounds (`decoding_rule`)
 
     def probabilities(self, features: torch.Tensor) -> torch.Tensor:  # [n, F] -> [n] float
         ...
+
+
+def decoding_rule(policy: TreePolicy, greedy: bool) -> TreeRule:
+    """The rule a decode applies: greedy, the policy's tree rule; sampling, its sampling rule
+    (exact by construction) where it has one, else its tree rule verifying all it drafts."""
+    rule = policy.tree_rule if greedy or policy.sampling_rule is None else policy.sampling_rule
+    return rule.exact_under(greedy)
 
 
 class ConfidenceTree:
     """EAGLE-2's dynamic tree: p-hat is the draft's probability of its own token, so a node's
     survival is the draft's confidence in its path."""
 
-    def __init__(self, rule: TreeRule) -> None:
-        self.tree_rule = rule
+    def __init__(self, rule: TreeRule, sampling_rule: TreeRule | None = None) -> None:
+        self.tree_rule, self.sampling_rule = rule, sampling_rule
         self.name = f"confidence-tree-{rule.expand:g}"
 
     def probabilities(self, features: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,9 @@ The file's one interface is `forward(features [N, F] float32) -> P(accept) [N]`;
 the family, the tuned rule and its parameters, the training data digest and the MLflow run.
 The rules are those the replay tuned, with the arithmetic both share (`.policy`):
 
-- tree (method `tree`): `tree_rule`, the dynamic tree's expand / verify rule (`.tree_rule`),
+- tree (method `tree`): `tree_rule`, the dynamic tree's expand / verify rule (`.tree_rule`);
+  under sampling `sampling_tree_rule` (`.sampling_rule`: children per node from values known
+  before they are drawn, exact; tuned on sampled rounds) where the export has one,
   behind the round gate `round_gate` (`.round_gate`; none: every round drafts); `fallback: ar`
   where no drafting policy beat `ar` in the replay on the cost curve it was tuned for: the
   gate then never opens and the loop runs plain `ar`;
@@ -36,6 +38,7 @@ from .tree_rule import TreeRule
 STOP_MODEL_META = "specstop.json"
 RULES = ("threshold", "cost_aware")
 GATE_KEYS = ("round_gate", "fallback", "gated_speedup", "gated_share")  # `models.round_gate`
+SAMPLING_KEYS = ("sampling_tree_rule", "sampling_tree_speedup", "sampling_temperature")
 
 
 def read_stop_model(path: Path) -> tuple[torch.jit.ScriptModule, dict]:
@@ -92,6 +95,8 @@ class LearnedPolicy:
             marginal = [float("inf")] + [float(c) for c in meta["marginal_cost"]] + [float("inf")]
             self.name = f"{meta['family']}-{self.rule}"
             self.tree_rule = TreeRule.from_dict(meta["tree_rule"])
+            sampling = meta.get("sampling_tree_rule")
+            self.sampling_rule = TreeRule.from_dict(sampling) if sampling else None
             self.round_gate = _round_gate(meta)
         except (KeyError, TypeError, ValueError) as err:
             raise SpecstopError(f"{source or 'stop model'}: incomplete metadata "

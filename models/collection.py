@@ -152,10 +152,12 @@ def _summary(out: Path, parts: list, elapsed: float, world: int) -> dict:
 
 
 def acceptance_by_split(table: pa.Table) -> dict[str, dict]:
-    """Per split: prompts, labelled rows, the share accepted and the first candidate's (depth 1,
-    rank 0) acceptance: a draft that has seen a split's prompts shows there as a higher rate."""
-    rows = table.select(["prompt_id", "split", "label", "depth", "sibling_rank"]).to_pandas()
-    rows = rows[rows["label"] >= 0]
+    """Per split, greedy rounds: prompts, labelled rows, the share accepted and the first
+    candidate's (depth 1, rank 0) acceptance: a draft that has seen a split's prompts shows
+    there as a higher rate."""
+    columns = ["prompt_id", "split", "label", "depth", "sibling_rank", "temperature"]
+    rows = table.select(columns).to_pandas()
+    rows = rows[(rows["label"] >= 0) & (rows["temperature"] == 0)]
     first = (rows["depth"] == 1) & (rows["sibling_rank"] == 0)
     return {str(split): {"prompts": int(group["prompt_id"].nunique()), "labelled": len(group),
                          "acceptance": _rate(group["label"]),

@@ -108,6 +108,7 @@ def run(config: StopTrainConfig, store: TrackingStore) -> Report:
     for family in tqdm(config.families, desc="train", unit="family"):
         entries[family] = _family(family, dataset, bench, common)
     trees = _trees(dataset, bench, entries)
+    sampling = _sampling_trees(config, bench, entries) if config.sampling_temperature else None
     ablation = _ablation(entries[trees.winner], dataset, bench, trees) if trees.winner else {}
     with tracking.run("baselines") as run_id:
         _log_datasets(dataset, config, ("val",))  # tuned and scored on val only
@@ -116,10 +117,11 @@ def run(config: StopTrainConfig, store: TrackingStore) -> Report:
     for name in entries:
         if entries[name].model is None:
             entries[name].run_id = run_id
-    metrics = {**_metrics(entries, bench, config), "replay": trees.metrics(), "ablation": ablation,
+    replay = {**trees.metrics(), "sampling": sampling.metrics() if sampling else None}
+    metrics = {**_metrics(entries, bench, config), "replay": replay, "ablation": ablation,
                "sanity_floor": _sanity_floor(entries, bench, config.families)}
     winner = trees.winner
-    _save(entries, bench, dataset, winner, metrics, trees)
+    _save(entries, bench, dataset, winner, metrics, trees, sampling)
     return Report(entries, bench, winner, metrics)
 
 
@@ -131,6 +133,20 @@ def _trees(dataset: data.Dataset, bench: Bench, entries: dict[str, Entry]
                 for f in bench.config.families}
     return tree_report.compare(dataset.train.rows, dataset.val.rows, bench.costs,
                                confidence_score(bench.X), families)
+
+
+def _sampling_trees(config: StopTrainConfig, bench: Bench, entries: dict[str, Entry]
+                    ) -> tree_report.SamplingComparison:
+    """Every tree policy on the val rounds sampled at `config.sampling_temperature` (the same
+    models: their p as survival), each family's latency charged per draft step."""
+    sampled = data.load(config.data, config.label, config.sampling_temperature)
+    X = sampled.val.features
+    charge = config.charge_decision_latency
+    families = {f: (entries[f].model.predict_proba(X), entries[f].latency if charge else 0.0)
+                for f in config.families}
+    return tree_report.compare_sampling(sampled.train.rows, sampled.val.rows, bench.costs,
+                                        confidence_score(X), families,
+                                        config.sampling_temperature)
 
 
 def _ablation(entry: Entry, dataset: data.Dataset, bench: Bench,
@@ -378,19 +394,22 @@ def _targets(entries: dict[str, Entry], bench: Bench, families: tuple[str, ...])
 
 
 def _save(entries: dict[str, Entry], bench: Bench, dataset: data.Dataset, winner: str | None,
-          metrics: dict, trees: tree_report.TreeComparison) -> None:
+          metrics: dict, trees: tree_report.TreeComparison,
+          sampling: tree_report.SamplingComparison | None) -> None:
     config = bench.config
     for entry in entries.values():
         if entry.model is not None:
             entry.model.save(config.out)
-    write_json(config.out / "summary.json", _summary(entries, bench, dataset, winner, trees))
+    write_json(config.out / "summary.json",
+               _summary(entries, bench, dataset, winner, trees, sampling))
     _write_plot_data(entries, bench)
     tree_report.write_plot_data(trees, config.plots)
     write_json(config.metrics, metrics)
 
 
 def _summary(entries: dict[str, Entry], bench: Bench, dataset: data.Dataset,
-             winner: str | None, trees: tree_report.TreeComparison) -> dict:
+             winner: str | None, trees: tree_report.TreeComparison,
+             sampling: tree_report.SamplingComparison | None) -> dict:
     """What the export (issue 6) needs: the winner, each family's file and tuned rules."""
     config = bench.config
     families = {
@@ -403,7 +422,8 @@ def _summary(entries: dict[str, Entry], bench: Bench, dataset: data.Dataset,
                "marginal_cost": bench.costs.marginal_cost(
                    e.latency if config.charge_decision_latency else 0.0)[1:-1].tolist(),
                "tree_rule": trees.rules[name].as_dict(),
-               "tree_speedup": trees.tuned[name].result.speedup, **trees.gates[name].as_dict()}
+               "tree_speedup": trees.tuned[name].result.speedup, **trees.gates[name].as_dict(),
+               **_sampling_entry(sampling, name)}
         for name, e in entries.items() if e.model is not None}
     return {"winner": winner, "feature_schema_version": dataset.schema_version,
             "dataset_digest": dataset.digest, "label": config.label,
@@ -423,6 +443,16 @@ def _summary(entries: dict[str, Entry], bench: Bench, dataset: data.Dataset,
                          "step feed the candidates with s > expand (at most max_width); verify "
                          "the n best by s (closed under parents and earlier siblings), n "
                          "maximising sum(s) - rho * verify_cost[1 + n]"}
+
+
+def _sampling_entry(sampling: tree_report.SamplingComparison | None, family: str) -> dict:
+    """A family's sampling tree rule and its replayed speed (none without sampled rounds)."""
+    if sampling is None:
+        return {"sampling_tree_rule": None, "sampling_tree_speedup": None,
+                "sampling_temperature": None}
+    return {"sampling_tree_rule": sampling.rules[family].as_dict(),
+            "sampling_tree_speedup": sampling.tuned[family].result.speedup,
+            "sampling_temperature": sampling.temperature}
 
 
 def _write_plot_data(entries: dict[str, Entry], bench: Bench) -> None:

@@ -21,7 +21,7 @@ from torch import nn
 
 from specstop.common.errors import SpecstopError
 from specstop.common.files import write_atomic
-from specstop.decoder.stop_model import GATE_KEYS, STOP_MODEL_META
+from specstop.decoder.stop_model import GATE_KEYS, SAMPLING_KEYS, STOP_MODEL_META
 from specstop.features import FEATURES, SCHEMA_VERSION
 
 from .families import LightGBM, logistic_proba
@@ -126,6 +126,7 @@ def metadata(family: str, summary: dict) -> dict:
             "simulated_speedup": entry[f"{entry['rule']}_speedup"],
             "tree_rule": entry["tree_rule"], "tree_rule_text": summary["tree_rule"],
             "tree_speedup": entry["tree_speedup"], "tree_costs": entry.get("tree_costs"),
+            **{key: entry.get(key) for key in SAMPLING_KEYS},
             **{key: entry.get(key) for key in GATE_KEYS},
             "label": summary["label"], "dataset_digest": summary["dataset_digest"],
             "mlflow_run_id": entry["run_id"], "mlflow_experiment": summary["experiment"]}

@@ -22,7 +22,7 @@ from specstop.decoder.tree_rule import TreeRule
 
 from . import plots, round_gate
 from .tree_replay import (WIDTH_GRID, TreeCosts, TreeReplay, TreeResult, Tuned, best_static,
-                          sequoia, tune_dynamic)
+                          sequoia, tune_dynamic, tune_sampling)
 
 STATIC = ("static_chain", "static_ti_mcsd", "static_tree", "sequoia")
 CONFIDENCE_TREE = "confidence_tree"
@@ -88,6 +88,61 @@ class TreeComparison:
             out["targets"] = {key: winner[name] >= bound
                               for key, (name, bound) in TARGETS.items()}
         return out
+
+
+@dataclass(frozen=True)
+class SamplingComparison:
+    """The tree policies on the sampled val rounds of one temperature, scored by exact expected
+    tokens: the static shapes (every drafted node verified) and the sampling rule
+    (`tree_rule.children`) with the draft's confidence and each family's p as survival."""
+
+    temperature: float
+    tuned: dict[str, Tuned]
+    rules: dict[str, TreeRule]  # the sampling rules, by policy name
+    families: tuple[str, ...]
+
+    @property
+    def best_static(self) -> str:
+        return max((n for n in STATIC if n in self.tuned),
+                   key=lambda n: self.tuned[n].result.speedup)
+
+    @property
+    def winner(self) -> str | None:
+        if not self.families:
+            return None
+        return max(self.families, key=lambda f: self.tuned[f].result.speedup)
+
+    def metrics(self) -> dict:
+        """metrics/train.json's `replay.sampling`."""
+        static = self.tuned[self.best_static].result.speedup
+        confidence = self.tuned[CONFIDENCE_TREE].result.speedup
+        out = {"temperature": self.temperature,
+               "best_static": {"method": self.best_static, "simulated_speedup": static},
+               "policies": {n: {**t.result.as_dict(), **t.setting,
+                                "vs_best_static": t.result.speedup / static}
+                            for n, t in self.tuned.items()}}
+        if self.winner is not None:
+            speed = self.tuned[self.winner].result.speedup
+            out["winner"] = {"family": self.winner, "simulated_speedup": speed,
+                             "vs_best_static": speed / static,
+                             "vs_confidence_tree": speed / confidence, "vs_ar": speed}
+        return out
+
+
+def compare_sampling(train: pd.DataFrame, val: pd.DataFrame, costs: CostModel,
+                     q_token: np.ndarray, families: dict[str, tuple[np.ndarray, float]],
+                     temperature: float) -> SamplingComparison:
+    """Every tree policy on the sampled val rows (`compare`'s arguments, rows of one
+    temperature); the sampling rule's rank table is fitted on the sampled train rows."""
+    shape = branching(costs)
+    replay = TreeReplay.from_rows(val, shape)
+    table = TreeReplay.from_rows(train, shape).rank_acceptance()
+    tuned, rules = dict(best_static(replay, _tree_costs(costs, replay, 0.0))), {}
+    for name, (p, latency) in {CONFIDENCE_TREE: (q_token, 0.0), **families}.items():
+        tuned[name], rule = tune_sampling(name, replay, p, _tree_costs(costs, replay, latency),
+                                          table)
+        rules[name] = rule.exact_under(greedy=False)  # verifies every node it drafts
+    return SamplingComparison(temperature, tuned, rules, tuple(families))
 
 
 def branching(costs: CostModel) -> tuple[int, ...]:

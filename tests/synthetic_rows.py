@@ -20,8 +20,9 @@ COSTS = {"tree_sizes": None, "threads": 1,
 
 
 def round_rows(prompt_id: str, split: str, index: int, width: int, depth: int,
-               rng: np.random.Generator) -> dict[str, list]:
-    """Rows of one greedy round: at most one candidate accepted per level."""
+               rng: np.random.Generator, temperature: float = 0.0) -> dict[str, list]:
+    """Rows of one round: at most one candidate accepted per level; sampled (temperature > 0),
+    each test's chance is its soft label."""
     rows: dict[str, list] = {name: [] for name in ROW_SCHEMA.names}
     alive = 0  # the branch still accepted (level 1: every candidate is compared)
     ease = rng.uniform(0.05, 1.0, size=width)
@@ -38,12 +39,12 @@ def round_rows(prompt_id: str, split: str, index: int, width: int, depth: int,
             features.update(q_token=q, q_top1=q, q_entropy=float(-np.log(q)), depth=float(level),
                             sibling_rank=float(b if level == 1 else 0))
             soft = min(1.0, q ** 2 + float(rng.uniform(0, 0.05)))
-            values = {"prompt_id": prompt_id, "split": split, "temperature": 0.0,
+            values = {"prompt_id": prompt_id, "split": split, "temperature": temperature,
                       "round": index, "node": node,
                       "parent": 0 if level == 1 else node - width, "branch": b,
                       "token": int(rng.integers(100)), **features, "label": label,
                       "after_rejection": label < 0, "soft_label": soft,
-                      "accept_prob": float(label == 1),
+                      "accept_prob": soft if temperature > 0 else float(label == 1),
                       "p_target": soft * q, "q_draft": q}
             for name in ROW_SCHEMA.names:
                 rows[name].append(values[name])
@@ -52,18 +53,22 @@ def round_rows(prompt_id: str, split: str, index: int, width: int, depth: int,
 
 
 def make_collect(folder: Path, prompts: dict[str, int] | None = None, rounds: int = 12,
-                 width: int = 3, depth: int = 4, seed: int = 0) -> Path:
-    """A collect folder with one part per split and a cost model for the tree."""
+                 width: int = 3, depth: int = 4, seed: int = 0,
+                 temperatures: tuple[float, ...] = (0.0,)) -> Path:
+    """A collect folder with one part per split and temperature and a cost model for the
+    tree."""
     rng = np.random.default_rng(seed)
     prompts = prompts or {"train": 16, "val": 6}
     for split, count in prompts.items():
-        rows: dict[str, list] = {name: [] for name in ROW_SCHEMA.names}
-        for p in range(count):
-            for r in range(rounds):
-                for name, values in round_rows(f"{split}-{p}", split, r, width, depth,
-                                               rng).items():
-                    rows[name] += values
-        write_part(pa.table(rows, schema=ROW_SCHEMA), folder / "parts" / f"{split}-00000.parquet")
+        for t in temperatures:
+            rows: dict[str, list] = {name: [] for name in ROW_SCHEMA.names}
+            for p in range(count):
+                for r in range(rounds):
+                    for name, values in round_rows(f"{split}-{p}", split, r, width, depth,
+                                                   rng, t).items():
+                        rows[name] += values
+            name = f"{split}-00000" + (f"-T{t:g}" if t else "")
+            write_part(pa.table(rows, schema=ROW_SCHEMA), folder / "parts" / f"{name}.parquet")
     write_schema(folder)
     sizes = [1 + width * d for d in range(depth + 1)]
     costs = json.loads(json.dumps(COSTS))

@@ -72,6 +72,12 @@ def test_bench_measures_every_method_side_by_side(tmp_path, tiny_model_dir, monk
         low, high = summary[key]["ci95"]
         assert low <= summary[key]["ratio"] <= high, key
     assert summary["winner_vs_ar"]["ratio"] == metrics["tree+stop_model"]["speedup_vs_ar"]
+    sampled = summary["sampling"]  # the exported policy sampled, against ar and sd (static)
+    assert sampled["best_static"] == "sd"
+    assert sampled["winner_vs_ar"]["ratio"] == \
+        metrics["sampling"]["tree+stop_model"]["speedup_vs_ar"]
+    low, high = sampled["winner_vs_best_static"]["ci95"]
+    assert low <= sampled["winner_vs_best_static"]["ratio"] <= high
     best = metrics[summary["best_static"]]["tokens_per_s"]
     assert summary["winner_vs_best_static"]["ratio"] == pytest.approx(
         metrics["tree+stop_model"]["tokens_per_s"] / best)

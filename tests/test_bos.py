@@ -16,6 +16,7 @@ from specstop.decoder.load import chat_text, with_bos
 from specstop.drafts.loading import load_runtime
 from specstop.pipeline import prompts as prompts_stage
 from specstop.pipeline.params import checked_params
+from specstop.prompts.splits import SPLITS
 
 from conftest import save_tiny_llama
 
@@ -96,7 +97,7 @@ def test_the_prompts_stage_text_starts_with_the_bos(base_model_dir: Path,
                              "prompts": {"out": str(tmp_path / "prompts"),
                                          "sources": [{"path": str(source), "field": "q"}]}})
     prompts_stage.run(params)
-    rows = [row for split in ("train", "val", "test")
+    rows = [row for split in SPLITS
             for row in pq.read_table(tmp_path / "prompts" / f"{split}.parquet").to_pylist()]
     assert len(rows) == 10
     bos = base_tokenizer.bos_token_id

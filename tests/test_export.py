@@ -16,7 +16,7 @@ import torch
 from specstop.common.errors import SpecstopError
 from specstop.common.params import ExportConfig
 from specstop.decoder.costs import CostModel
-from specstop.decoder.policy import ConfidenceThreshold, FixedDepth
+from specstop.decoder.policy import ConfidenceThreshold, FixedDepth, decoding_rule
 from specstop.decoder.stop_model import LearnedPolicy, load_stop_model, read_stop_model
 from specstop.decoder.tree_rule import TreeRule
 from specstop.features import FEATURES, SCHEMA_VERSION, feature_index
@@ -36,8 +36,9 @@ DEPTH, Q_TOKEN = feature_index("depth"), feature_index("q_token")
 def exported(tmp_path_factory):
     """Synthetic rows -> stage train (every family) -> stage export, in a temp folder."""
     folder = tmp_path_factory.mktemp("export")
-    make_collect(folder / "collect", prompts={"train": 16, "val": 6}, rounds=12)
-    params = params_for(folder)
+    make_collect(folder / "collect", prompts={"train": 16, "val": 6}, rounds=12,
+                 temperatures=(0.0, 0.7))
+    params = params_for(folder, sampling_temperature=0.7)
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(folder)
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -75,8 +76,17 @@ def test_files_carry_their_metadata(exported):
         assert meta["dataset_digest"] == summary["dataset_digest"]
         assert meta["mlflow_run_id"] == entry["run_id"]
         assert meta["tree_rule"] == entry["tree_rule"] and meta["tree_costs"] is None
-        assert LearnedPolicy(*read_stop_model(config.out / f"{family}.pt")).tree_rule == \
-            TreeRule.from_dict(entry["tree_rule"])
+        policy = LearnedPolicy(*read_stop_model(config.out / f"{family}.pt"))
+        assert policy.tree_rule == TreeRule.from_dict(entry["tree_rule"])
+        # sampled, the policy decodes with the rule tuned on the sampled rounds
+        assert meta["sampling_temperature"] == 0.7 and meta["sampling_tree_speedup"] > 0
+        assert policy.sampling_rule == TreeRule.from_dict(entry["sampling_tree_rule"])
+        assert policy.sampling_rule.rank_accept and not policy.sampling_rule.prune
+        assert decoding_rule(policy, greedy=False) == policy.sampling_rule
+        assert decoding_rule(policy, greedy=True) is policy.tree_rule
+    sampled = json.loads(report.bench.config.metrics.read_text())["replay"]["sampling"]
+    assert sampled["temperature"] == 0.7 and sampled["winner"]["family"] in summary["families"]
+    assert sampled["best_static"]["method"] in sampled["policies"]
 
 
 def test_export_retunes_the_tree_rules_for_another_machines_costs(exported, tmp_path):

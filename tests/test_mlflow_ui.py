@@ -38,7 +38,9 @@ def bench_metrics() -> dict:
             "summary": {"winner": "ti-mcsd+stop_model", "prompts": 8, "domains": ["chat"],
                         "winner_vs_best_static": RATIO, "winner_vs_ar": RATIO,
                         "winner_vs_hf_assisted": None,
-                        "aa_noise": {"ratio": 1.0, "ci95": None}},
+                        "aa_noise": {"ratio": 1.0, "ci95": None},
+                        "sampling": {"best_static": "sd", "winner_vs_best_static": RATIO,
+                                     "winner_vs_ar": None}},
             "targets": {"winner_faster_than_best_static": True}}
 
 
@@ -143,6 +145,9 @@ def test_a_bench_run_is_linked_to_the_registered_version(registered, tmp_path, c
     assert not any(k.startswith("summary.winner_vs_hf_assisted") for k in logged)
     assert logged["ti-mcsd_stop_model.speedup_vs_ar"] == 1.5
     assert logged["sampling.sd.tokens_per_s"] == 25.0
+    assert logged["summary.sampling.winner_vs_best_static.ratio"] == 1.2
+    assert run.data.params["summary.sampling.best_static"] == "sd"
+    assert not any(k.startswith("summary.sampling.winner_vs") for k in run.data.params)
     assert run.data.params["prompts"] == "8"
     assert run.data.params["peers.hf-assisted.num_assistant_tokens"] == "20"
     assert run.data.params["summary.winner"] == "ti-mcsd+stop_model"

@@ -74,6 +74,11 @@ def test_repro_ends_with_stop_model_metrics_plots_and_runs(smoke: Path):
                 "greedy_identical_to_ar"} <= set(bench[method])
     assert bench["summary"]["domains"] == ["humaneval", "magpie"]
     assert bench["summary"]["winner_vs_best_static"]["ratio"] > 0
+    # sampled rounds: a sampling tree rule tuned on them, exported, benched against static
+    assert train["replay"]["sampling"]["temperature"] == 1.0
+    assert policy.sampling_rule is not None and policy.sampling_rule.rank_accept
+    assert bench["summary"]["sampling"]["best_static"] == "static-tree"
+    assert bench["summary"]["sampling"]["winner_vs_best_static"]["ratio"] > 0
     assert (smoke / "metrics/bench_plots/speedup.png").stat().st_size > 0
     assert len(list((smoke / "metrics/train_plots/speedup").glob("*.csv"))) >= 4
     assert (smoke / "metrics/draft_plots/learning_curve.csv").is_file()

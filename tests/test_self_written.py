@@ -24,6 +24,7 @@ from specstop.prompts.build import build_prompts
 from specstop.prompts.self_written import (Writer, batch_seed, cache_path, read_self_written,
                                            write_requests)
 from specstop.prompts.sources import Sampling, parse_source, parse_sources
+from specstop.prompts.splits import SPLITS
 
 from conftest import ROOT
 
@@ -136,7 +137,7 @@ def test_stage_writes_magpie_prompts_beside_humaneval(tmp_path: Path):
         {"embedded": "magpie", "max_prompts": 4, "batch_size": 11}])
     fake = FakeWriter(FIRST_BATCH, SECOND_BATCH)
     build_prompts(config, lambda request: f"<{request}>", fake.writer)
-    rows = [row for split in ("train", "val", "test")
+    rows = [row for split in SPLITS
             for row in pq.read_table(config.out / f"{split}.parquet").to_pylist()]
     assert sorted(r["request"] for r in rows if r["source"] == "magpie") == sorted(KEPT)
     assert sum(r["source"] == "humaneval" for r in rows) == 10 and len(rows) == 14
