@@ -58,15 +58,12 @@ class TreeComparison:
 
     @property
     def best_static(self) -> str:
-        return max((n for n in STATIC if n in self.tuned),
-                   key=lambda n: self.tuned[n].result.speedup)
+        return fastest(self.tuned, [n for n in STATIC if n in self.tuned])
 
     @property
     def winner(self) -> str | None:
         """The fastest family's dynamic tree."""
-        if not self.families:
-            return None
-        return max(self.families, key=lambda f: self.tuned[f].result.speedup)
+        return fastest(self.tuned, self.families) if self.families else None
 
     def metrics(self) -> dict:
         """metrics/train.json's `replay` section (CONTRACTS.md)."""
@@ -103,14 +100,11 @@ class SamplingComparison:
 
     @property
     def best_static(self) -> str:
-        return max((n for n in STATIC if n in self.tuned),
-                   key=lambda n: self.tuned[n].result.speedup)
+        return fastest(self.tuned, [n for n in STATIC if n in self.tuned])
 
     @property
     def winner(self) -> str | None:
-        if not self.families:
-            return None
-        return max(self.families, key=lambda f: self.tuned[f].result.speedup)
+        return fastest(self.tuned, self.families) if self.families else None
 
     def metrics(self) -> dict:
         """metrics/train.json's `replay.sampling`."""
@@ -127,6 +121,11 @@ class SamplingComparison:
                              "vs_best_static": speed / static,
                              "vs_confidence_tree": speed / confidence, "vs_ar": speed}
         return out
+
+
+def fastest(tuned: dict[str, Tuned], names) -> str:
+    """The name among `names` whose tuned policy replays fastest (the first on a tie)."""
+    return max(names, key=lambda n: tuned[n].result.speedup)
 
 
 def compare_sampling(train: pd.DataFrame, val: pd.DataFrame, costs: CostModel,
