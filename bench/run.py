@@ -8,9 +8,10 @@ model); the published lossy `ti-mcsd --lossy`, static (the models never saw loss
 the peers on equal terms: a plain draft (`bench.assistant_draft`, else the default draft
 where it is one) run by specstop's `sd` (`sd-compact`) and by transformers' assisted generation
 with the same distribution, dynamic (its defaults) and static (`sd`'s γ), plus transformers'
-prompt-lookup decoding.  Every method is warmed up and the order rotates per prompt; ratios
-carry paired bootstrap intervals (`bench.report`).  Writes metrics/bench.json, a CSV per
-prompt, the results table, plot data and PNGs.
+prompt-lookup decoding beside specstop's own (`lookup`: the same n-gram size and chain length).
+Every method is warmed up and the order rotates per prompt; ratios carry paired bootstrap
+intervals (`bench.report`).  Writes metrics/bench.json, a CSV per prompt, the results table,
+plot data and PNGs.
 
 The trees are those the decision models were trained for (params `collect`); `mcsd` and
 `ti-mcsd` draft `ti-mcsd`'s best depth in the tree replay (`metrics/train.json`), `sd` the γ the
@@ -282,7 +283,10 @@ def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan, peers: Peers | No
         methods += [assisted_method(runtime, peers.assistant, base, peers.dynamic, "hf-assisted"),
                     assisted_method(runtime, peers.assistant, base,
                                     static_settings(plan.peer_gamma), "hf-assisted-static")]
-    return methods + [prompt_lookup_method(runtime, base, lookup_tokens)]
+    lookup = cfg("lookup", max_depth=max(base.max_depth, lookup_tokens),
+                 lookup_ngram=PROMPT_LOOKUP_NGRAM)
+    return methods + [decoder_method(runtime, lookup, FixedDepth(lookup_tokens), "lookup"),
+                      prompt_lookup_method(runtime, base, lookup_tokens)]
 
 
 def _latency(runtime: Runtime, plan: Plan, width: int) -> dict:

@@ -23,13 +23,13 @@ from . import paths
 from .errors import SpecstopError
 from .schema_errors import CROSS_KEY, dotted, problem
 
-METHODS = ("ar", "sd", "mcsd", "ti-mcsd", "tree")
+METHODS = ("ar", "sd", "mcsd", "ti-mcsd", "tree", "lookup")
 STOP_FAMILIES = ("logistic", "lightgbm", "mlp")
 BENCH_METHODS = (  # the bench's method names; <base>+<family> needs that family trained
     "ar", "ar-aa", "sd", "sd-compact", "mcsd", "ti-mcsd", "ti-mcsd+confidence",
     *[f"ti-mcsd+{family}" for family in STOP_FAMILIES], "ti-mcsd+stop_model", "static-tree",
     "tree+confidence", *[f"tree+{family}" for family in STOP_FAMILIES], "tree+stop_model",
-    "ti-mcsd-lossy", "hf-assisted", "hf-assisted-static", "hf-prompt-lookup")
+    "ti-mcsd-lossy", "hf-assisted", "hf-assisted-static", "lookup", "hf-prompt-lookup")
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 PROFILES = "profiles"
 MIN_TEMPERATURE = 1e-3  # below it logits / T overflow float32
@@ -51,7 +51,7 @@ def _temperature(value: float) -> float:
 
 Temperature = Annotated[float, AfterValidator(_temperature),
                         Field(description=f"0 (greedy) or a number in [{MIN_TEMPERATURE:g}, 100]")]
-Method = Literal["ar", "sd", "mcsd", "ti-mcsd", "tree"]
+Method = Literal["ar", "sd", "mcsd", "ti-mcsd", "tree", "lookup"]
 BenchMethod = Literal[BENCH_METHODS]
 Dtype = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
 Device = Annotated[str, Field(pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$",

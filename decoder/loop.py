@@ -1,14 +1,15 @@
-"""The decode loop for `ar`, `sd`, `mcsd`, `ti-mcsd` and `tree`: `generate` and one function per
-step.
+"""The decode loop for `ar`, `sd`, `mcsd`, `ti-mcsd`, `tree` and `lookup`: `generate` and one
+function per step.
 
 State between rounds is the target's KV cache (every committed token) and `r`, the distribution
 the next token is drawn from.  A round (1) draws the root(s) from r, (2) `propose`s: drafts the
 method's static tree below them level by level until the stopping policy or the tree's depth
 says stop (`tree`: drafts a dynamic tree and keeps the nodes worth verifying,
 `dynamic.propose_tree`; a `tree` round its policy's `round_gate` keeps from drafting proposes
-the root alone, `ar`'s step), (3) `score`s the tree in one target pass under its tree mask, (4)
-`verify`s, (5) `commit`s the accepted path to both caches.  The steps talk through the contracts
-of `contracts.py` (Proposal -> Scores -> Verdict).  `ar` is the same loop with nothing drafted.
+the root alone, `ar`'s step; `lookup`: the chain an n-gram of the text looks up, `lookup.py`),
+(3) `score`s the tree in one target pass under its tree mask, (4) `verify`s, (5) `commit`s the
+accepted path to both caches.  The steps talk through the contracts of `contracts.py` (Proposal
+-> Scores -> Verdict).  `ar` is the same loop with nothing drafted.
 
 A round keeps its tensors on the device: the tree and its masks are copied there once
 (`Tree.on`), the root is drawn there and emitted with the accepted path, so a greedy round with a
@@ -33,6 +34,7 @@ from .costs import VerifyCosts
 from .drafter import Drafter, draft_children
 from .dynamic import propose_tree
 from .kv import KVModel
+from .lookup import Lookup, lookup_proposal
 from .policy import FixedDepth, StoppingPolicy, TreePolicy
 from .round_gate import RoundGate
 from .sampling import Sampling, sample, warp
@@ -43,6 +45,7 @@ MAX_DEPTH = 64
 MAX_TREE_NODES = 4096
 ACCEPTED_EMA_DECAY = 0.5  # weight of the previous average in the accepted-length EMA
 PATH_CONFIDENCE = feature_index("path_confidence")
+DRAFTLESS = ("ar", "lookup")  # the methods that run no draft model
 
 
 @dataclass(frozen=True)
@@ -55,14 +58,15 @@ class DecodeConfig:
     ti_width: int = 3  # branches of ti-mcsd
     lossy: bool = False  # ti-mcsd only: the published DynaSD selection
     without_replacement: bool = True
+    lookup_ngram: int = 2  # lookup: the longest n-gram matched (then shorter ones, down to 1)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
         if self.lossy and self.method != "ti-mcsd":
             raise ValueError("--lossy applies to ti-mcsd only")
-        if self.max_new_tokens < 1 or self.max_depth < 1:
-            raise ValueError("max_new_tokens and max_depth must be >= 1")
+        if self.max_new_tokens < 1 or self.max_depth < 1 or self.lookup_ngram < 1:
+            raise ValueError("max_new_tokens, max_depth and lookup_ngram must be >= 1")
         if self.max_depth > MAX_DEPTH:
             raise ValueError(f"max_depth must be <= {MAX_DEPTH}, got {self.max_depth}")
         if self.ti_width < 1 or any(k < 1 for k in self.mcsd_branching):
@@ -89,7 +93,7 @@ def _tree_shape(config: DecodeConfig) -> tuple[int, tuple[int, ...]]:
     d = config.max_depth
     if config.method in ("ar", "tree"):  # `tree` builds its trees per round
         return 1, ()
-    if config.method == "sd":
+    if config.method in ("sd", "lookup"):  # a chain
         return 1, (1,) * d
     if config.method == "mcsd":
         widths = tuple(config.mcsd_branching[:d])
@@ -218,6 +222,7 @@ def generate(
     with_features = drafter is not None and (config.method == "tree" or hook is not None
                                              or policy.reads_features)
     stats, out, start = DecodeStats(), [], time.perf_counter()
+    lookup = Lookup(prompt.tolist(), config.lookup_ngram) if config.method == "lookup" else None
     root_emitted = 0 if config.lossy else 1  # emitted whatever is accepted (exact), or not
     # 0. Prefill: both caches take the prompt; r is the target's next-token distribution.
     target.reserve(prompt.shape[0] + config.max_new_tokens + tree.size(tree.max_depth))
@@ -243,6 +248,9 @@ def generate(
             round_tree, proposal = propose_tree(drafter, policy, roots, r, target.length,
                                                 levels, context, config.sampling,
                                                 config.without_replacement, generator)
+        elif lookup is not None:  # at most the policy's depth (a fixed γ)
+            round_tree, proposal = tree, lookup_proposal(lookup, roots, r, target.length,
+                                                         min(levels, policy.max_levels or levels))
         else:
             round_tree, proposal = tree, propose(drafter, tree.on(r.device), roots, r,
                                                  target.length, levels, policy, context,
@@ -259,6 +267,8 @@ def generate(
         # 5. Commit the accepted path to both caches and emit it, root first.
         commit(target, drafter, proposal, scores, verdict)
         out.extend(verdict.path_tokens)
+        if lookup is not None:  # its root is in already
+            lookup.extend(verdict.path_tokens[1:])
         stats.add_round(proposal, round_tree.size(proposal.depth) - round_tree.roots,
                         len(verdict.path) - 1, gated)
         if hook is not None and proposal.depth > 0:
@@ -283,7 +293,7 @@ def _checked_policy(config: DecodeConfig, tree: Tree, drafter: Drafter | None,
             raise ValueError("method 'tree' needs a drafter and a tree policy (e.g. "
                              f"ConfidenceTree), got {got}")
         return policy
-    if tree.max_depth > 0 and drafter is None:
+    if config.method not in DRAFTLESS and drafter is None:
         raise ValueError(f"method '{config.method}' needs a drafter")
     return policy or FixedDepth(max(tree.max_depth, 1))
 

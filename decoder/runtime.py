@@ -16,7 +16,7 @@ from .costs import VerifyCosts
 from .drafter import Drafter
 from .kv import KVModel
 from .load import chat_text, with_bos
-from .loop import DecodeConfig, Generation, generate
+from .loop import DRAFTLESS, DecodeConfig, Generation, generate
 from .policy import StoppingPolicy, TreePolicy
 from .sampling import Sampling
 
@@ -63,10 +63,11 @@ class Runtime:
                  policy: StoppingPolicy | TreePolicy | None = None, seed: int = 0,
                  **kwargs) -> Generation:
         self.check_fits(prompt, config)
-        if config.method != "ar" and self.drafter is None:
+        drafts = config.method not in DRAFTLESS
+        if drafts and self.drafter is None:
             raise SpecstopError(f"method '{config.method}' needs a draft model")
         generator = torch.Generator(device=self.target.device).manual_seed(seed)
-        return generate(self.target, self.drafter if config.method != "ar" else None, prompt,
+        return generate(self.target, self.drafter if drafts else None, prompt,
                         config, policy, self.eos_id, generator=generator, costs=self.costs,
                         **kwargs)
 

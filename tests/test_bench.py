@@ -27,7 +27,7 @@ CONTRACT = {"tokens_per_s", "speedup_vs_ar", "mean_accepted", "acceptance_rate",
             "draft_steps"}
 METHODS = ["ar", "ar-aa", "sd", "mcsd", "ti-mcsd", "ti-mcsd+confidence", "ti-mcsd+mlp",
            "ti-mcsd+stop_model", "static-tree", "tree+confidence", "tree+mlp", "tree+stop_model",
-           "ti-mcsd-lossy", "sd-compact", "hf-assisted", "hf-assisted-static",
+           "ti-mcsd-lossy", "sd-compact", "hf-assisted", "hf-assisted-static", "lookup",
            "hf-prompt-lookup"]
 SAMPLED = ["ar", "sd", "tree+stop_model", "hf-assisted-static"]
 

@@ -69,6 +69,9 @@ METHODS: dict[str, list[str]] = {
     "ti-mcsd-lossy": [*HI, "--method", "ti-mcsd", "--lossy"],
 }
 OTHERS: dict[str, list[str]] = {
+    "lookup": ["generate", "--target", TINY, "--draft", "./no/such/folder", "--dtype", "float32",
+               "--max-new-tokens", "8", "--method", "lookup", "--gamma", "3", "--prompt",
+               "hi hi hi hi hi hi"],
     "bench-decode": ["bench-decode", *MODELS, "--prompt", "hi", "--prompt", "hello there",
                      "--max-new-tokens", "8"],
 }
@@ -138,6 +141,15 @@ def test_generate_ends_with_the_summary(cli: Run, case: str):
         assert (per_call, acceptance) == (1.0, 0.0)
     else:  # greedy, and the draft is the target itself: every drafted level is accepted
         assert per_call > 1 and acceptance == 1.0
+
+
+@pytest.mark.parametrize("case", ["lookup"])
+def test_lookup_decodes_without_a_draft(cli: Run, case: str):
+    """`--method lookup` loads no draft (the one named does not exist) and ends with the
+    summary."""
+    result = cli(case)
+    assert result.returncode == 0, result.stderr
+    assert SUMMARY.fullmatch(result.stdout.splitlines()[-1]), result.stdout
 
 
 @pytest.mark.parametrize("case", ["bench-decode"])

@@ -66,3 +66,18 @@ def test_truncated_draft_loads_and_is_lossless(embedded_dir):
         == ar
     assert torch.equal(rt.drafter.lm.model.model.embed_tokens.weight,
                        rt.target.model.model.embed_tokens.weight)
+
+
+def test_lookup_equals_ar_on_real_prompts(runtime):
+    """The prompt-lookup proposer (no draft model) on HumanEval prompts, whose code repeats the
+    prompt's names: some lookups are accepted, the output is `ar`'s."""
+    config = DecodeConfig(method="lookup", max_new_tokens=NEW_TOKENS, max_depth=6)
+    accepted = 0
+    for text in humaneval_prompts(8):
+        prompt = runtime.encode(text)
+        reference = runtime.generate(prompt, DecodeConfig(method="ar",
+                                                          max_new_tokens=NEW_TOKENS)).tokens
+        generation = runtime.generate(prompt, config, FixedDepth(6))
+        assert generation.tokens == reference, text[:60]
+        accepted += generation.stats.accepted
+    assert accepted > 0

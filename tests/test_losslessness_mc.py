@@ -30,7 +30,8 @@ import torch
 from scipy.stats import chi2
 
 from specstop.decoder.drafter import ModelDrafter, draft_children
-from specstop.decoder.loop import DecodeConfig, generate
+import specstop.decoder.verify as verify
+from specstop.decoder.loop import DRAFTLESS, DecodeConfig, generate
 from specstop.decoder.policy import ConfidenceTree, TreePolicy
 from specstop.decoder.sampling import Sampling, warp
 from specstop.decoder.tree_rule import TreeRule
@@ -137,7 +138,8 @@ def decode_chunk(run: Run, chunk: int, n_chunks: int) -> np.ndarray:
     """Sequences [n, SEQ_LEN + 1] (BOS first; -1 after an EOS) of one chunk, seeded by chunk."""
     torch.set_num_threads(1)
     target, draft = run.tables()
-    lm, drafter = TableLM(target), ModelDrafter(TableLM(draft))
+    lm = TableLM(target)
+    drafter = None if run.config.method in DRAFTLESS else ModelDrafter(TableLM(draft))
     generator = torch.Generator().manual_seed(1000 * run.seed + chunk)
     prompt = torch.tensor([BOS])
     rows, transitions = [], 0
@@ -257,6 +259,7 @@ METHODS = {
     "ti-mcsd": replace(BASE, method="ti-mcsd"),
     "tree": replace(BASE, method="tree", max_depth=3),
     "tree-counts": replace(BASE, method="tree", max_depth=3),
+    "lookup": replace(BASE, method="lookup"),  # its draft table goes unused
 }
 # Expands some nodes but not all (the draft's path confidence above 0.3, two per level at most);
 # its pruning (verify a node while its survival beats 0.5 x 0.5 target steps) is for greedy
@@ -267,7 +270,7 @@ TREE_RULE = TreeRule((2, 2, 1), expand=0.3, rho=0.5, max_width=2, verify_cost=(0
 SAMPLING_RULE = replace(TREE_RULE, expand=0.2, max_width=3,
                         rank_accept=((0.9, 0.5), (0.8, 0.4), (0.7,)))
 POLICIES = {"tree": ConfidenceTree(TREE_RULE), "tree-counts": ConfidenceTree(SAMPLING_RULE)}
-MAIN = [(method, 1.0, 1.0) for method in ("sd", "mcsd-wor", "ti-mcsd")]
+MAIN = [(method, 1.0, 1.0) for method in ("sd", "mcsd-wor", "ti-mcsd", "lookup")]
 SWEEP = ([("mcsd-wr", 1.0, 1.0), ("tree", 1.0, 1.0), ("tree-counts", 1.0, 1.0)]
          + [(method, 0.3, 0.9) for method in METHODS]
          + [("sd", 0.3, 1.0), ("ti-mcsd", 0.3, 1.0), ("mcsd-wor", 1.0, 0.9), ("mcsd-wr", 1.0, 0.9)])
@@ -338,6 +341,22 @@ def test_pruning_by_own_score_fails_the_same_test(pool: ProcessPoolExecutor) -> 
     assert rows.p_value < 1e-6, rows
 
 
+def test_lookup_without_the_residual_fails_the_same_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: a rejected lookup token drawn again from p (no residual: the correction
+    may repeat the rejected token) is emitted too often; in this process, with `residual`
+    patched, for 10k transitions."""
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)
+    run = run_for("lookup", 1.0, 1.0, seed=2, n=10_000)
+    probs = expected_transitions(run.tables()[0], run.config.sampling)
+    threads = torch.get_num_threads()
+    try:
+        seqs = decode_chunk(run, 0, 1)
+    finally:
+        torch.set_num_threads(threads)
+    rows = fit_rows(transition_counts(seqs), probs)
+    assert rows.p_value < 1e-6, rows
+
+
 # ---------------------------------------------------------------------------------------------
 # Greedy: exact methods equal target greedy decoding; lossy ti-mcsd does not
 
@@ -357,7 +376,7 @@ def test_greedy_equals_target_argmax_chain(method: str) -> None:
                      max_depth=3, sampling=Sampling())
     for seed in range(5):
         target, draft = bigram_tables(seed)
-        drafter = None if method == "ar" else ModelDrafter(TableLM(draft))
+        drafter = None if config.method in DRAFTLESS else ModelDrafter(TableLM(draft))
         tokens = generate(TableLM(target), drafter, torch.tensor([BOS]), config,
                           POLICIES.get(method)).tokens
         assert tokens == greedy_chain(target, BOS, 30), (method, seed)
