@@ -6,7 +6,8 @@ flavour).  Class imbalance: with `class_weight: balanced` each class weighs half
 and the fitted logit is shifted back by log(w1 / w0), the prior correction that keeps the
 probabilities calibrated (the cost-aware rule needs them); `none` fits the rows as they are.
 Soft labels y in [0, 1] are fitted as a row of class 1 with weight y plus one of class 0 with
-weight 1 - y (logistic regression), as the cross-entropy objective (LightGBM, MLP).
+weight 1 - y (logistic regression), as the cross-entropy objective (LightGBM, MLP).  Every
+family starts from the draft's own confidence, the anchor (`anchor.py`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from typing import Callable, Protocol
 
 import numpy as np
 from sklearn.linear_model import LogisticRegression
-from sklearn.pipeline import Pipeline, make_pipeline
-from sklearn.preprocessing import StandardScaler
+from scipy.optimize import minimize
+from scipy.special import expit
+from sklearn.pipeline import Pipeline
+from sklearn.preprocessing import FunctionTransformer, StandardScaler
 
 from specstop.common.files import write_atomic, write_json
 
+from .anchor import Anchor
 from .fit_data import FitData
 from .mlp import fit_mlp
 
@@ -40,74 +44,112 @@ class StopModel(Protocol):
 
 
 def logistic_proba(X: np.ndarray, mean: np.ndarray, scale: np.ndarray, coef: np.ndarray,
-                   intercept: float) -> np.ndarray:
+                   intercept: float, anchor: Anchor) -> np.ndarray:
     """[n] P(accept) of the logistic family from its saved numbers (logistic.json)."""
-    return 1.0 / (1.0 + np.exp(-(((X - mean) / scale) @ coef + intercept)))
+    return 1.0 / (1.0 + np.exp(-(((anchor.with_logit(X) - mean) / scale) @ coef + intercept)))
 
 
 class Logistic:
-    """Standardised features, L2 logistic regression (scikit-learn)."""
+    """The features and the anchor's logit, standardised; L2 logistic regression
+    (scikit-learn)."""
 
     family = "logistic"
 
-    def __init__(self, pipeline: Pipeline, hyperparameters: dict) -> None:
+    def __init__(self, pipeline: Pipeline, anchor: Anchor, hyperparameters: dict) -> None:
         self.pipeline = pipeline
+        self.anchor = anchor
         self.hyperparameters = hyperparameters
 
     def predict_proba(self, X: np.ndarray) -> np.ndarray:
         """The saved arithmetic (as exported), not the pipeline's per-call validation."""
-        scaler, lr = self.pipeline[0], self.pipeline[-1]
-        return logistic_proba(X, scaler.mean_, scaler.scale_, lr.coef_[0], lr.intercept_[0])
+        scaler, lr = self.pipeline[-2], self.pipeline[-1]
+        return logistic_proba(X, scaler.mean_, scaler.scale_, lr.coef_[0], lr.intercept_[0],
+                              self.anchor)
 
     def save(self, folder: Path) -> Path:
-        """logistic.json: the scaler (mean, scale) and the coefficients over scaled features."""
-        scaler, lr = self.pipeline[0], self.pipeline[-1]
+        """logistic.json: the anchor, the scaler (mean, scale) of the features and the anchor's
+        logit (last), and the coefficients over the scaled columns."""
+        scaler, lr = self.pipeline[-2], self.pipeline[-1]
         path = Path(folder) / "logistic.json"
-        write_json(path, {"mean": scaler.mean_.tolist(), "scale": scaler.scale_.tolist(),
-                          "coef": lr.coef_[0].tolist(), "intercept": float(lr.intercept_[0]),
+        write_json(path, {"anchor": self.anchor.as_dict(), "mean": scaler.mean_.tolist(),
+                          "scale": scaler.scale_.tolist(), "coef": lr.coef_[0].tolist(),
+                          "intercept": float(lr.intercept_[0]),
                           "hyperparameters": self.hyperparameters})
         return path
 
     def log_model(self, example: np.ndarray) -> None:
         import mlflow.sklearn
 
+        anchor = f"{Anchor.__module__}.{Anchor.__qualname__}"  # the pipeline's first step
         mlflow.sklearn.log_model(self.pipeline, name="model", pip_requirements=["scikit-learn"],
-                                 input_example=example)
+                                 input_example=example,
+                                 skops_trusted_types=[anchor, f"{anchor}.with_logit"])
 
 
 def fit_logistic(data: FitData, hp: dict, seed: int) -> Logistic:
-    n = len(data.y)
-    X = np.concatenate([data.X, data.X])
-    y = np.concatenate([np.ones(n), np.zeros(n)])
-    w = np.concatenate([data.w * data.y, data.w * (1 - data.y)])
-    keep = w > 0
-    pipeline = make_pipeline(StandardScaler(), LogisticRegression(
-        C=float(hp.get("C", 1.0)), max_iter=int(hp.get("max_iter", 1000)), random_state=seed))
-    pipeline.fit(X[keep], y[keep], logisticregression__sample_weight=w[keep])
-    pipeline[-1].intercept_ -= data.logit_offset
-    return Logistic(pipeline, dict(hp))
+    """L2 logistic regression on the standardised features with the anchor's logit as an offset,
+    so the penalty shrinks the model towards the anchor (scipy's L-BFGS: scikit-learn's has no
+    offset; deterministic, `seed` unused).  Kept as a scikit-learn pipeline whose last column,
+    the anchor's logit, weighs 1 unscaled."""
+    C, max_iter = float(hp.get("C", 1.0)), int(hp.get("max_iter", 1000))
+    X, y, w = (a.astype(np.float64) for a in (data.X, data.y, data.w))
+    mean, scale = X.mean(axis=0), X.std(axis=0)
+    scale[scale == 0] = 1.0  # as StandardScaler
+    Z, offset = (X - mean) / scale, data.anchor.logit(data.X)
+
+    def loss(theta: np.ndarray) -> tuple[float, np.ndarray]:
+        z = Z @ theta[:-1] + theta[-1] + offset
+        residual = w * (expit(z) - y)
+        value = np.sum(w * (np.logaddexp(0, z) - y * z)) + theta[:-1] @ theta[:-1] / (2 * C)
+        return value, np.append(Z.T @ residual + theta[:-1] / C, residual.sum())
+
+    theta = minimize(loss, np.zeros(Z.shape[1] + 1), jac=True, method="L-BFGS-B",
+                     options={"maxiter": max_iter}).x
+    pipeline = _anchored_pipeline(data.anchor, mean, scale, theta[:-1],
+                                  theta[-1] - data.logit_offset, C, len(y))
+    return Logistic(pipeline, data.anchor, dict(hp))
+
+
+def _anchored_pipeline(anchor: Anchor, mean: np.ndarray, scale: np.ndarray, coef: np.ndarray,
+                       intercept: float, C: float, rows: int) -> Pipeline:
+    """The fitted numbers as a scikit-learn pipeline (its MLflow flavour): the anchor's logit
+    appended as a column, standardised with mean 0 and scale 1, weighing 1."""
+    features = len(mean) + 1
+    scaler = StandardScaler()
+    scaler.mean_, scaler.scale_ = np.append(mean, 0.0), np.append(scale, 1.0)
+    scaler.var_, scaler.n_features_in_, scaler.n_samples_seen_ = scaler.scale_ ** 2, features, rows
+    lr = LogisticRegression(C=C)
+    lr.coef_, lr.intercept_ = np.append(coef, 1.0)[None], np.array([intercept])
+    lr.classes_, lr.n_features_in_ = np.array([0.0, 1.0]), features
+    return Pipeline([("anchor", FunctionTransformer(anchor.with_logit).fit(mean[None])),
+                     ("scaler", scaler), ("logisticregression", lr)])
 
 
 class LightGBM:
-    """Gradient-boosted trees; the prior correction is kept beside the booster."""
+    """Gradient-boosted trees boosted from the anchor; the anchor and the prior correction are
+    kept beside the booster."""
 
     family = "lightgbm"
 
-    def __init__(self, booster, logit_offset: float, hyperparameters: dict) -> None:
+    def __init__(self, booster, anchor: Anchor, logit_offset: float, hyperparameters: dict
+                 ) -> None:
         self.booster = booster
+        self.anchor = anchor
         self.logit_offset = logit_offset
         self.hyperparameters = hyperparameters
 
     def predict_proba(self, X: np.ndarray) -> np.ndarray:
-        raw = self.booster.predict(X, raw_score=True, num_threads=1)
+        raw = self.booster.predict(X, raw_score=True, num_threads=1) + self.anchor.logit(X)
         return 1.0 / (1.0 + np.exp(-(raw - self.logit_offset)))
 
     def save(self, folder: Path) -> Path:
-        """lightgbm.txt (the booster, raw logit) and lightgbm.json (the logit offset)."""
+        """lightgbm.txt (the booster: the logit's correction to the anchor) and lightgbm.json
+        (the anchor and the logit offset)."""
         path = Path(folder) / "lightgbm.txt"
         write_atomic(path, lambda tmp: self.booster.save_model(str(tmp)))
         write_json(Path(folder) / "lightgbm.json",
-                   {"logit_offset": self.logit_offset, "hyperparameters": self.hyperparameters})
+                   {"anchor": self.anchor.as_dict(), "logit_offset": self.logit_offset,
+                    "hyperparameters": self.hyperparameters})
         return path
 
     def log_model(self, example: np.ndarray) -> None:
@@ -125,13 +167,14 @@ def fit_lightgbm(data: FitData, hp: dict, seed: int) -> LightGBM:
     patience = int(hp.pop("early_stopping_rounds", 30))
     params = {"objective": "cross_entropy", "verbosity": -1, "num_threads": 1, "seed": seed,
               "deterministic": True, **hp}
-    train = lgb.Dataset(data.X, data.y, weight=data.w)
-    valid = lgb.Dataset(data.X_stop, data.y_stop, weight=data.w_stop, reference=train)
+    train = lgb.Dataset(data.X, data.y, weight=data.w, init_score=data.anchor.logit(data.X))
+    valid = lgb.Dataset(data.X_stop, data.y_stop, weight=data.w_stop,
+                        init_score=data.anchor.logit(data.X_stop), reference=train)
     booster = lgb.train(params, train, num_boost_round=rounds, valid_sets=[valid],
                         callbacks=[lgb.early_stopping(patience, verbose=False)])
     booster = lgb.Booster(model_str=booster.model_to_string(
         num_iteration=booster.best_iteration or rounds))
-    return LightGBM(booster, data.logit_offset,
+    return LightGBM(booster, data.anchor, data.logit_offset,
                     {**hp, "n_estimators": rounds, "early_stopping_rounds": patience,
                      "best_iteration": booster.current_iteration()})
 

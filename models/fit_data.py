@@ -1,4 +1,5 @@
-"""The rows a decision model is fitted on: class weights and the prompts held out of them."""
+"""The rows a decision model is fitted on: class weights, the prompts held out of them, and the
+anchor every family corrects (`anchor.py`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from specstop.common.errors import DataError
+
+from .anchor import Anchor, fit_anchor
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,7 @@ class FitData:
     y_stop: np.ndarray  # [m]
     w_stop: np.ndarray  # [m]
     logit_offset: float  # log(w1 / w0): subtract from the fitted logit
+    anchor: Anchor  # fitted on (X, y, w): the logit a family starts from
 
 
 def fit_data(X: np.ndarray, y: np.ndarray, groups: np.ndarray, class_weight: str,
@@ -35,7 +39,7 @@ def fit_data(X: np.ndarray, y: np.ndarray, groups: np.ndarray, class_weight: str
     w1, w0 = _class_weights(y[~stop], class_weight)
     weights = (w1 * y + w0 * (1 - y)).astype(np.float32)
     return FitData(X[~stop], y[~stop], weights[~stop], X[stop], y[stop], weights[stop],
-                   float(np.log(w1 / w0)))
+                   float(np.log(w1 / w0)), fit_anchor(X[~stop], y[~stop], weights[~stop]))
 
 
 def _class_weights(y: np.ndarray, class_weight: str) -> tuple[float, float]:

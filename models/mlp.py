@@ -1,6 +1,7 @@
-"""The small MLP family: one `nn.Module` (standardisation inside, logit out) trained by a
-LightningModule with early stopping on the held-out prompts' loss and best-checkpoint restore;
-the same module is saved (safetensors) and exported later."""
+"""The small MLP family: one `nn.Module` (standardisation inside, the anchor's logit plus a
+learned correction out) trained by a LightningModule with early stopping on the held-out
+prompts' loss and best-checkpoint restore; the same module is saved (safetensors) and exported
+later."""
 
 from __future__ import annotations
 
@@ -18,13 +19,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from specstop.common.files import write_atomic, write_json
 
+from .anchor import Anchor
 from .fit_data import FitData
 
 
 class StopNet(nn.Module):
-    """features [n, F] -> logit [n] of P(accepted); the feature scaling is part of the net."""
+    """features [n, F] -> logit [n] of P(accepted): the anchor's plus a correction, whose head
+    starts at zero (the net starts as the anchor); the feature scaling is part of the net."""
 
-    def __init__(self, n_features: int, hidden: list[int], dropout: float) -> None:
+    def __init__(self, n_features: int, hidden: list[int], dropout: float, anchor: Anchor
+                 ) -> None:
         super().__init__()
         self.register_buffer("mean", torch.zeros(n_features))
         self.register_buffer("std", torch.ones(n_features))
@@ -34,9 +38,12 @@ class StopNet(nn.Module):
             width = h
         self.body = nn.Sequential(*layers)
         self.head = nn.Linear(width, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+        self.anchor = anchor.module()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, F] -> [n]
-        return self.head(self.body((x - self.mean) / self.std)).squeeze(-1)
+        return self.anchor(x) + self.head(self.body((x - self.mean) / self.std)).squeeze(-1)
 
 
 class StopModule(pl.LightningModule):
@@ -68,8 +75,9 @@ class StopModule(pl.LightningModule):
 class MLP:
     family = "mlp"
 
-    def __init__(self, net: StopNet, hyperparameters: dict) -> None:
+    def __init__(self, net: StopNet, anchor: Anchor, hyperparameters: dict) -> None:
         self.net = net.eval()
+        self.anchor = anchor
         self.hyperparameters = hyperparameters
 
     def predict_proba(self, X: np.ndarray) -> np.ndarray:
@@ -77,7 +85,8 @@ class MLP:
             return torch.sigmoid(self.net(torch.tensor(X, dtype=torch.float32))).numpy()
 
     def save(self, folder: Path) -> Path:
-        """mlp.safetensors (the StopNet state) and mlp.json (its constructor arguments)."""
+        """mlp.safetensors (the StopNet state) and mlp.json (its constructor arguments, the
+        anchor among them)."""
         path = Path(folder) / "mlp.safetensors"
         state = {k: v.contiguous() for k, v in self.net.state_dict().items()}
         write_atomic(path, lambda tmp: save_file(state, str(tmp)))
@@ -85,7 +94,7 @@ class MLP:
                    {"n_features": int(self.net.mean.numel()),
                     "hidden": list(self.hyperparameters["hidden"]),
                     "dropout": float(self.hyperparameters["dropout"]),
-                    "hyperparameters": self.hyperparameters})
+                    "anchor": self.anchor.as_dict(), "hyperparameters": self.hyperparameters})
         return path
 
     def log_model(self, example: np.ndarray) -> None:
@@ -100,7 +109,7 @@ def fit_mlp(data: FitData, hp: dict, seed: int) -> MLP:
     hp = {"hidden": [64, 64], "dropout": 0.1, "lr": 1e-3, "weight_decay": 1e-4,
           "batch_size": 1024, "max_epochs": 30, "patience": 4, **hp}
     pl.seed_everything(seed, verbose=False)
-    net = StopNet(data.X.shape[1], list(hp["hidden"]), float(hp["dropout"]))
+    net = StopNet(data.X.shape[1], list(hp["hidden"]), float(hp["dropout"]), data.anchor)
     net.mean.copy_(torch.as_tensor(data.X.mean(axis=0)))
     net.std.copy_(torch.as_tensor(data.X.std(axis=0)).clamp_min(1e-6))
     module = StopModule(net, float(hp["lr"]), float(hp["weight_decay"]))
@@ -117,7 +126,7 @@ def fit_mlp(data: FitData, hp: dict, seed: int) -> MLP:
     module.load_state_dict(state)
     with torch.no_grad():
         net.head.bias -= data.logit_offset
-    return MLP(net, hp)
+    return MLP(net, data.anchor, hp)
 
 
 def _loader(X: np.ndarray, y: np.ndarray, w: np.ndarray, batch: int, shuffle: bool):

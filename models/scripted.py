@@ -24,6 +24,7 @@ from specstop.common.files import write_atomic
 from specstop.decoder.stop_model import GATE_KEYS, SAMPLING_KEYS, STOP_MODEL_META
 from specstop.features import FEATURES, SCHEMA_VERSION
 
+from .anchor import Anchor
 from .families import LightGBM, logistic_proba
 from .mlp import MLP, StopNet
 
@@ -32,18 +33,33 @@ INTERFACE = "forward(features: float32 [N, F]) -> P(accept) [N]"
 
 
 class LinearLogit(nn.Module):
-    """features [n, F] -> logit [n]: standardisation, then a linear model."""
+    """features [n, F] -> logit [n]: the features and the anchor's logit, standardised, then a
+    linear model."""
 
     def __init__(self, mean: list[float], scale: list[float], coef: list[float],
-                 intercept: float) -> None:
+                 intercept: float, anchor: Anchor) -> None:
         super().__init__()
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32))
         self.register_buffer("scale", torch.tensor(scale, dtype=torch.float32))
         self.register_buffer("coef", torch.tensor(coef, dtype=torch.float32))
         self.register_buffer("intercept", torch.tensor(intercept, dtype=torch.float32))
+        self.anchor = anchor.module()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ((x - self.mean) / self.scale) @ self.coef + self.intercept
+        z = torch.cat([x, self.anchor(x)[:, None]], dim=1)
+        return ((z - self.mean) / self.scale) @ self.coef + self.intercept
+
+
+class AnchoredLogit(nn.Module):
+    """features [n, F] -> logit [n]: the anchor's plus a correction model's (LightGBM's trees)."""
+
+    def __init__(self, correction: nn.Module, anchor: Anchor) -> None:
+        super().__init__()
+        self.correction = correction
+        self.anchor = anchor.module()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.anchor(x) + self.correction(x).reshape(-1)
 
 
 class Probability(nn.Module):
@@ -84,12 +100,13 @@ def exportable(folder: Path, family: str, example: np.ndarray,
 def _logistic(folder: Path, example: np.ndarray, tree_implementation: str):
     spec = json.loads((folder / "logistic.json").read_text())
     mean, scale, coef = (np.asarray(spec[k]) for k in ("mean", "scale", "coef"))
+    anchor = Anchor.from_dict(spec["anchor"])
 
     def reference(X: np.ndarray) -> np.ndarray:
-        return logistic_proba(X, mean, scale, coef, spec["intercept"])
+        return logistic_proba(X, mean, scale, coef, spec["intercept"], anchor)
 
     return Probability(LinearLogit(spec["mean"], spec["scale"], spec["coef"],
-                                   spec["intercept"])), reference
+                                   spec["intercept"], anchor)), reference
 
 
 def _lightgbm(folder: Path, example: np.ndarray, tree_implementation: str):
@@ -100,18 +117,21 @@ def _lightgbm(folder: Path, example: np.ndarray, tree_implementation: str):
     if not path.is_file():
         raise FileNotFoundError(2, "missing", str(path))
     booster = lgb.Booster(model_file=str(path))
-    offset = json.loads((folder / "lightgbm.json").read_text())["logit_offset"]
+    spec = json.loads((folder / "lightgbm.json").read_text())
+    offset, anchor = spec["logit_offset"], Anchor.from_dict(spec["anchor"])
     trees = convert(booster, "torch.jit", example.astype(np.float32),
                     extra_config={"tree_implementation": tree_implementation,
                                   "n_threads": torch.get_num_threads()}).model  # else all cores
-    return Probability(trees, offset), LightGBM(booster, offset, {}).predict_proba
+    return (Probability(AnchoredLogit(trees, anchor), offset),
+            LightGBM(booster, anchor, offset, {}).predict_proba)
 
 
 def _mlp(folder: Path, example: np.ndarray, tree_implementation: str):
     spec = json.loads((folder / "mlp.json").read_text())
-    net = StopNet(spec["n_features"], spec["hidden"], spec["dropout"])
+    anchor = Anchor.from_dict(spec["anchor"])
+    net = StopNet(spec["n_features"], spec["hidden"], spec["dropout"], anchor)
     net.load_state_dict(load_file(folder / "mlp.safetensors"))
-    return Probability(net.eval()), MLP(net, spec["hyperparameters"]).predict_proba
+    return Probability(net.eval()), MLP(net, anchor, spec["hyperparameters"]).predict_proba
 
 
 def metadata(family: str, summary: dict) -> dict:

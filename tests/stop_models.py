@@ -10,19 +10,22 @@ import torch
 
 from specstop.features import FEATURES, SCHEMA_VERSION, feature_index
 from specstop.decoder.stop_model import STOP_MODEL_META
+from specstop.models.anchor import Anchor
 from specstop.models.scripted import LinearLogit, Probability
 
 N = len(FEATURES)
 TREE_RULE = {"branching": [2, 1, 1], "expand": 0.3, "rho": 0.8, "max_width": 2,
-             "verify_cost": [0.0, 1.0, 1.2, 1.3, 1.4, 1.5], "prune": True}
+             "verify_cost": [0.0, 1.0, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7], "prune": True}
 
 
 def linear_module(weights: dict[str, float], bias: float = 0.0) -> torch.jit.ScriptModule:
-    """P = sigmoid(bias + sum of weight * feature), unscaled."""
-    coef = [0.0] * N
+    """P = sigmoid(bias + sum of weight * feature), unscaled (the anchor's column weighs 0)."""
+    coef = [0.0] * (N + 1)
     for name, w in weights.items():
         coef[feature_index(name)] = w
-    return torch.jit.script(Probability(LinearLogit([0.0] * N, [1.0] * N, coef, bias)).eval())
+    anchor = Anchor(feature_index("q_token"), 1.0, 0.0)
+    return torch.jit.script(Probability(LinearLogit([0.0] * (N + 1), [1.0] * (N + 1), coef,
+                                                    bias, anchor)).eval())
 
 
 def metadata(family: str = "logistic", rule: str = "threshold", threshold: float = 0.5,

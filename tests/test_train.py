@@ -14,9 +14,10 @@ from safetensors.torch import load_file
 from specstop.common.errors import SpecstopError
 from specstop.common.params import Params, validate
 from specstop.common.errors import DataError
-from specstop.features import FEATURE_GROUPS, SCHEMA_VERSION
+from specstop.features import FEATURE_GROUPS, SCHEMA_VERSION, feature_index
 from specstop.models.rows import ROW_SCHEMA, read_parts, write_part
 from specstop.models import data, experiment
+from specstop.models.anchor import fit_anchor, Anchor
 from specstop.models.fit_data import fit_data
 from specstop.models.mlp import StopNet
 from specstop.pipeline import train
@@ -106,16 +107,20 @@ def test_saved_models_reproduce_the_predictions(trained):
     assert summary["winner"] in ("logistic", "lightgbm", "mlp")
     assert summary["feature_schema_version"] == SCHEMA_VERSION and len(summary["dataset_digest"]) == 64
     lr = json.loads((config.out / "logistic.json").read_text())
-    logit = ((X - lr["mean"]) / lr["scale"]) @ np.array(lr["coef"]) + lr["intercept"]
+    anchor = Anchor.from_dict(lr["anchor"])
+    Z = np.concatenate([X, anchor.logit(X)[:, None]], axis=1)
+    logit = ((Z - lr["mean"]) / lr["scale"]) @ np.array(lr["coef"]) + lr["intercept"]
     assert 1 / (1 + np.exp(-logit)) == pytest.approx(
         report.entries["logistic"].model.predict_proba(X), abs=1e-5)
     booster = lgb.Booster(model_file=str(config.out / "lightgbm.txt"))
-    offset = json.loads((config.out / "lightgbm.json").read_text())["logit_offset"]
-    raw = booster.predict(X, raw_score=True) - offset
+    spec = json.loads((config.out / "lightgbm.json").read_text())
+    raw = booster.predict(X, raw_score=True) + Anchor.from_dict(spec["anchor"]).logit(X) \
+        - spec["logit_offset"]
     assert 1 / (1 + np.exp(-raw)) == pytest.approx(
         report.entries["lightgbm"].model.predict_proba(X), abs=1e-6)
     spec = json.loads((config.out / "mlp.json").read_text())
-    net = StopNet(spec["n_features"], spec["hidden"], spec["dropout"]).eval()
+    net = StopNet(spec["n_features"], spec["hidden"], spec["dropout"],
+                  Anchor.from_dict(spec["anchor"])).eval()
     net.load_state_dict(load_file(config.out / "mlp.safetensors"))
     with torch.no_grad():
         p = torch.sigmoid(net(torch.tensor(X))).numpy()
@@ -155,6 +160,20 @@ def test_train_prompts_are_held_out_whole():
     fit = fit_data(np.zeros((50, 2), np.float32), y, groups, "balanced", 0.3, seed=0)
     assert len(fit.y_stop) == 15 and len(fit.y) == 35
     assert fit.logit_offset == pytest.approx(np.log(4))  # 1 positive in 5: odds shifted 4x
+
+
+def test_the_anchor_is_the_logistic_regression_on_the_logit_of_q_token():
+    rng = np.random.default_rng(0)
+    X = np.zeros((20000, 3), np.float32)
+    X[:, feature_index("q_token")] = q = rng.uniform(0.01, 0.99, 20000)
+    truth = 1 / (1 + np.exp(-(2.0 * np.log(q / (1 - q)) - 1.0)))
+    soft = fit_anchor(X, truth.astype(np.float32), np.ones(20000, np.float32))
+    assert (soft.slope, soft.intercept) == pytest.approx((2.0, -1.0), abs=0.01)
+    hard = fit_anchor(X, (rng.uniform(size=20000) < truth).astype(np.float32),
+                      np.ones(20000, np.float32))
+    assert (hard.slope, hard.intercept) == pytest.approx((2.0, -1.0), abs=0.15)
+    assert hard.logit(X) == pytest.approx(hard.slope * np.log(q / (1 - q)) + hard.intercept,
+                                          abs=1e-5)
 
 
 def test_soft_labels_and_a_search_with_nested_runs(tmp_path, monkeypatch):
