@@ -3,15 +3,16 @@ sampling, in one process: `ar` (twice: the A/A noise floor); `sd` at its best fi
 and `ti-mcsd` static and `static-tree`, the replay's best static shape; the dynamic trees
 (method `tree`): `tree+confidence` (EAGLE-2-style, the draft's path confidence) and
 `tree+stop_model` (the exported winner, the policy the pipeline ships), each with the rule the
-replay tuned; the level-wise stop on `ti-mcsd` (the confidence threshold and each exported
-model); the published lossy `ti-mcsd --lossy`, static (the models never saw lossy rounds); and
-the peers on equal terms: a plain draft (`bench.assistant_draft`, else the default draft
-where it is one) run by specstop's `sd` (`sd-compact`) and by transformers' assisted generation
-with the same distribution, dynamic (its defaults) and static (`sd`'s γ), plus transformers'
-prompt-lookup decoding beside specstop's own (`lookup`: the same n-gram size and chain length).
-Every method is warmed up and the order rotates per prompt; ratios carry paired bootstrap
-intervals (`bench.report`).  Writes metrics/bench.json, a CSV per prompt, the results table,
-plot data and PNGs.
+replay tuned, and greedy `tree+stop_model+lookup`, the winner's tree with the prompt-lookup
+chain as one more branch under the root; the level-wise stop on `ti-mcsd` (the confidence
+threshold and each exported model); the published lossy `ti-mcsd --lossy`, static (the models
+never saw lossy rounds); and the peers on equal terms: a plain draft (`bench.assistant_draft`,
+else the default draft where it is one) run by specstop's `sd` (`sd-compact`) and by
+transformers' assisted generation with the same distribution, dynamic (its defaults) and static
+(`sd`'s γ), plus transformers' prompt-lookup decoding beside specstop's own (`lookup`: the
+same n-gram size and chain length).  Every method is warmed up and the order rotates per prompt;
+ratios carry paired bootstrap intervals (`bench.report`).  Writes metrics/bench.json, a CSV per
+prompt, the results table, plot data and PNGs.
 
 The trees are those the decision models were trained for (params `collect`); `mcsd` and
 `ti-mcsd` draft `ti-mcsd`'s best depth in the tree replay (`metrics/train.json`), `sd` the γ the
@@ -49,6 +50,8 @@ from .hf_assisted import (PROMPT_LOOKUP_NGRAM, assisted_method, dynamic_settings
 
 DEFAULT_GAMMA = 4
 SAME_DRAFT_SD = "sd-compact"
+GREEDY_ONLY = ("tree+stop_model+lookup",)  # a lookup branch beside sampled candidates is not
+# verified exactly by one q per node
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,9 @@ def _check_method_names(config: BenchConfig, plan: Plan) -> None:
         if unknown:
             raise SpecstopError(f"bench.{key}: unknown method '{unknown[0]}' "
                                 f"(known: {', '.join(known)})")
+    greedy = [name for name in config.sampling_methods if name in GREEDY_ONLY]
+    if greedy:
+        raise SpecstopError(f"bench.sampling_methods: '{greedy[0]}' runs greedy only")
 
 
 def _test_split(config: BenchConfig) -> dict[str, list[str]]:
@@ -257,6 +263,8 @@ def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan, peers: Peers | No
     static_tree = cfg("mcsd", mcsd_branching=tuple(plan.static_tree["widths"]),
                       max_depth=max(base.max_depth, plan.static_tree["depth"]))
     sd = cfg("sd", max_depth=max(base.max_depth, plan.sd_gamma))
+    lookup_options = {"max_depth": max(base.max_depth, lookup_tokens),
+                      "lookup_ngram": PROMPT_LOOKUP_NGRAM}
     methods = [
         decoder_method(runtime, base, None, "ar"),
         decoder_method(runtime, base, None, "ar-aa"),
@@ -272,6 +280,8 @@ def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan, peers: Peers | No
                        "tree+confidence"),
         *[decoder_method(runtime, cfg("tree"), p, f"tree+{f}") for f, p in plan.families.items()],
         decoder_method(runtime, cfg("tree"), plan.winner, "tree+stop_model"),
+        *([decoder_method(runtime, cfg("tree", lookup_branch=True, **lookup_options), plan.winner,
+                          "tree+stop_model+lookup")] if base.sampling.greedy else []),
         decoder_method(runtime, cfg("ti-mcsd", lossy=True), FixedDepth(plan.static_gamma),
                        "ti-mcsd-lossy"),  # static: the models never saw lossy rounds
     ]
@@ -283,9 +293,8 @@ def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan, peers: Peers | No
         methods += [assisted_method(runtime, peers.assistant, base, peers.dynamic, "hf-assisted"),
                     assisted_method(runtime, peers.assistant, base,
                                     static_settings(plan.peer_gamma), "hf-assisted-static")]
-    lookup = cfg("lookup", max_depth=max(base.max_depth, lookup_tokens),
-                 lookup_ngram=PROMPT_LOOKUP_NGRAM)
-    return methods + [decoder_method(runtime, lookup, FixedDepth(lookup_tokens), "lookup"),
+    return methods + [decoder_method(runtime, cfg("lookup", **lookup_options),
+                                     FixedDepth(lookup_tokens), "lookup"),
                       prompt_lookup_method(runtime, base, lookup_tokens)]
 
 

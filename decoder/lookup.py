@@ -8,16 +8,19 @@ round looks its suffix up in O(max_ngram), whatever the length of the text.  A p
 point mass, so its q rows are one-hot and the loop's exact verification is speculative sampling
 with q = onehot(x) (VERIFICATION.md §2, deterministic candidates): greedy accepts while the
 token is the target's arg-max; sampling accepts x with probability p(x), else draws the
-correction from res(p, onehot(x)), p with x removed.
+correction from res(p, onehot(x)), p with x removed.  Greedy `tree` rounds may add the chain
+below the root beside the draft's tree (`with_lookup_branch`).
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
+import numpy as np
 import torch
 
 from .contracts import Proposal
+from .tree import Tree
 
 
 class Lookup:
@@ -67,3 +70,39 @@ def lookup_proposal(
     tokens = torch.cat([roots, chain])
     return Proposal(tokens, depth, root_position, q, (), torch.full((1 + depth,), -1), depth,
                     depth, 0.0)
+
+
+def with_lookup_branch(
+    tree: Tree,
+    proposal: Proposal,
+    lookup: Lookup,
+    levels: int,  # the longest chain to add
+) -> tuple[Tree, Proposal]:
+    """Greedy `tree` rounds: commit the root to `lookup` and add the chain it looks up below the
+    root as one more branch, each of its nodes last in its level (so the tree stays in
+    level-major order), unless the draft already proposes its first token (greedy siblings are
+    distinct).  Its nodes are not fed to the draft; their q rows are one-hot (greedy ignores q)
+    and they carry no features."""
+    tokens = proposal.tokens
+    lookup.extend(tokens[:1].tolist())
+    chain = lookup.chain(levels)
+    if not chain or chain[0] in tokens[list(tree.children(0))].tolist():
+        return tree, proposal
+    n, c, vocab = tokens.shape[0], len(chain), proposal.q.shape[1]
+    parent = np.concatenate([tree.parent[:n].numpy(), [0], n + np.arange(c - 1)])
+    depth = np.concatenate([tree.depth[:n].numpy(), 1 + np.arange(c)])
+    order = np.lexsort((np.arange(n + c) >= n, depth))  # by level, the chain's node last
+    new_index = np.empty_like(order)
+    new_index[order] = np.arange(n + c)
+    merged = Tree.from_parents(np.where(parent[order] >= 0, new_index[parent[order]], -1))
+    chain_t = torch.tensor(chain, dtype=torch.long, device=tokens.device)
+    q = proposal.q.new_zeros(n + c, vocab)  # by node, the chain's nodes last
+    q[: proposal.q.shape[0]] = proposal.q
+    q[n : n + c - 1].scatter_(1, chain_t[1:, None], 1.0)
+    order_t = torch.from_numpy(order)
+    fed = torch.cat([proposal.fed, torch.full((c,), -1)])[order_t]
+    order_t = order_t.to(tokens.device)
+    q = q[order_t[: merged.size(merged.max_depth - 1)]]
+    return merged, Proposal(torch.cat([tokens, chain_t])[order_t], merged.max_depth,
+                            proposal.root_position, q, (), fed, proposal.steps, proposal.drafted,
+                            proposal.decision_seconds)

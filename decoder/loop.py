@@ -34,7 +34,7 @@ from .costs import VerifyCosts
 from .drafter import Drafter, draft_children
 from .dynamic import propose_tree
 from .kv import KVModel
-from .lookup import Lookup, lookup_proposal
+from .lookup import Lookup, lookup_proposal, with_lookup_branch
 from .policy import FixedDepth, StoppingPolicy, TreePolicy
 from .round_gate import RoundGate
 from .sampling import Sampling, sample, warp
@@ -59,12 +59,15 @@ class DecodeConfig:
     lossy: bool = False  # ti-mcsd only: the published DynaSD selection
     without_replacement: bool = True
     lookup_ngram: int = 2  # lookup: the longest n-gram matched (then shorter ones, down to 1)
+    lookup_branch: bool = False  # greedy `tree`: the lookup chain as one more branch
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
         if self.lossy and self.method != "ti-mcsd":
             raise ValueError("--lossy applies to ti-mcsd only")
+        if self.lookup_branch and (self.method != "tree" or not self.sampling.greedy):
+            raise ValueError("a lookup branch applies to greedy tree rounds only")
         if self.max_new_tokens < 1 or self.max_depth < 1 or self.lookup_ngram < 1:
             raise ValueError("max_new_tokens, max_depth and lookup_ngram must be >= 1")
         if self.max_depth > MAX_DEPTH:
@@ -222,7 +225,10 @@ def generate(
     with_features = drafter is not None and (config.method == "tree" or hook is not None
                                              or policy.reads_features)
     stats, out, start = DecodeStats(), [], time.perf_counter()
-    lookup = Lookup(prompt.tolist(), config.lookup_ngram) if config.method == "lookup" else None
+    lookup = Lookup(prompt.tolist(), config.lookup_ngram) \
+        if config.method == "lookup" or config.lookup_branch else None
+    if lookup is not None and hook is not None:
+        raise ValueError("a lookup proposal has no draft features for the hook")
     root_emitted = 0 if config.lossy else 1  # emitted whatever is accepted (exact), or not
     # 0. Prefill: both caches take the prompt; r is the target's next-token distribution.
     target.reserve(prompt.shape[0] + config.max_new_tokens + tree.size(tree.max_depth))
@@ -255,6 +261,8 @@ def generate(
             round_tree, proposal = tree, propose(drafter, tree.on(r.device), roots, r,
                                                  target.length, levels, policy, context,
                                                  config, generator)
+        if config.lookup_branch:
+            round_tree, proposal = with_lookup_branch(round_tree, proposal, lookup, levels)
         on_device = round_tree.on(r.device)
         # 3. Score: one target pass over the proposal.
         scores = score(target, on_device, proposal, config.sampling, costs,

@@ -27,8 +27,8 @@ CONTRACT = {"tokens_per_s", "speedup_vs_ar", "mean_accepted", "acceptance_rate",
             "draft_steps"}
 METHODS = ["ar", "ar-aa", "sd", "mcsd", "ti-mcsd", "ti-mcsd+confidence", "ti-mcsd+mlp",
            "ti-mcsd+stop_model", "static-tree", "tree+confidence", "tree+mlp", "tree+stop_model",
-           "ti-mcsd-lossy", "sd-compact", "hf-assisted", "hf-assisted-static", "lookup",
-           "hf-prompt-lookup"]
+           "tree+stop_model+lookup", "ti-mcsd-lossy", "sd-compact", "hf-assisted",
+           "hf-assisted-static", "lookup", "hf-prompt-lookup"]
 SAMPLED = ["ar", "sd", "tree+stop_model", "hf-assisted-static"]
 
 
@@ -170,6 +170,10 @@ def test_an_unknown_sampling_method_is_refused_before_the_work(tmp_path, monkeyp
                                             r"'tree\+lightgbm' "):  # a family not trained
         run_bench(validate({"models": {"target": "absent", "draft": "absent"},
                             "bench": {"sampling_methods": ["tree+lightgbm"]}}))
+    with pytest.raises(SpecstopError, match=r"^bench\.sampling_methods: "
+                                            r"'tree\+stop_model\+lookup' runs greedy only"):
+        run_bench(validate({"models": {"target": "absent", "draft": "absent"},
+                            "bench": {"sampling_methods": ["tree+stop_model+lookup"]}}))
 
 
 def test_the_paired_bootstrap_recovers_a_known_ratio():

@@ -1,6 +1,7 @@
-"""The prompt-lookup proposer (`decoder/lookup.py`): what it looks up, kept incrementally, and
-`lookup` rounds equal to `ar` greedy on tiny random Llamas (the sampled χ² and its negative
-control: test_losslessness_mc.py; the embedded model: test_integration.py)."""
+"""The prompt-lookup proposer (`decoder/lookup.py`): what it looks up, kept incrementally,
+`lookup` rounds and greedy `tree` rounds with a lookup branch equal to `ar` on tiny random
+Llamas (the sampled χ² and its negative control: test_losslessness_mc.py; the embedded model:
+test_integration.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,17 @@ import random
 import pytest
 import torch
 
+from specstop.decoder.contracts import Proposal
+from specstop.decoder.drafter import ModelDrafter
 from specstop.decoder.kv import KVModel
-from specstop.decoder.lookup import Lookup
-from specstop.decoder.loop import DecodeConfig, generate
-from specstop.decoder.policy import FixedDepth
+from specstop.decoder.lookup import Lookup, with_lookup_branch
+from specstop.decoder.loop import DecodeConfig, DecodeStats, generate
+from specstop.decoder.policy import ConfidenceTree, FixedDepth
+from specstop.decoder.sampling import Sampling
+from specstop.decoder.tree import Tree
+from specstop.decoder.tree_rule import TreeRule
 
-from conftest import tiny_llama
+from conftest import perturbed_copy, tiny_llama
 
 VOCAB = 97
 
@@ -99,3 +105,59 @@ def test_lookup_stops_at_eos_and_within_the_budget(target: torch.nn.Module) -> N
             config = DecodeConfig(method="lookup", max_new_tokens=budget, max_depth=5)
             out = generate(KVModel(target), None, prompt, config, eos_id=eos_id)
             assert out.tokens == reference and len(out.tokens) <= budget
+
+
+def branch_of(chain_source: list[int], levels: int = 3) -> tuple[Tree, Proposal]:
+    """A drafted tree root 10 -> (11 -> 13, 12 -> 14) with the lookup branch of a text that ends
+    before the root and holds `chain_source` after an earlier 10."""
+    tree = Tree.from_parents([-1, 0, 0, 1, 2])
+    q = torch.softmax(torch.randn(3, 30, generator=torch.Generator().manual_seed(0)), dim=1)
+    proposal = Proposal(torch.tensor([10, 11, 12, 13, 14]), 2, 7, q, (),
+                        torch.tensor([0, 1, 2, -1, -1]), 2, 4, 0.0)
+    lookup = Lookup([10, *chain_source, 5])
+    return with_lookup_branch(tree, proposal, lookup, levels)
+
+
+def test_the_lookup_branch_goes_last_in_each_level() -> None:
+    tree, proposal = branch_of([20, 21, 22, 23])
+    assert tree.parent.tolist() == [-1, 0, 0, 0, 1, 2, 3, 6]
+    assert proposal.tokens.tolist() == [10, 11, 12, 20, 13, 14, 21, 22]
+    assert proposal.fed.tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
+    assert proposal.depth == 3 and proposal.q.shape == (7, 30)
+    assert proposal.q[3].argmax() == 21 and proposal.q[6].argmax() == 22  # one-hot
+    assert proposal.q[4:6].sum() == 0 and proposal.q[6].sum() == 1  # leaves of the draft
+
+
+def test_no_lookup_branch_beside_a_drafted_sibling_with_its_token() -> None:
+    tree, proposal = branch_of([12, 21])
+    assert tree.parent.tolist() == [-1, 0, 0, 1, 2] and proposal.depth == 2
+
+
+def test_a_lookup_branch_is_for_greedy_tree_rounds_only() -> None:
+    with pytest.raises(ValueError, match="greedy tree rounds only"):
+        DecodeConfig(method="tree", lookup_branch=True, sampling=Sampling(1.0))
+    with pytest.raises(ValueError, match="greedy tree rounds only"):
+        DecodeConfig(method="sd", lookup_branch=True)
+
+
+# Verify every drafted node below a root with up to two children (a pass of n tokens costs
+# 1 + 1e-4 (n - 1) target steps).
+RULE = TreeRule((2, 1, 1), expand=0.0, rho=0.0, max_width=2,
+                verify_cost=(0.0, *(1.0 + 1e-4 * i for i in range(16))))
+
+
+def test_greedy_tree_with_a_lookup_branch_equals_ar(target: torch.nn.Module) -> None:
+    draft = perturbed_copy(target, 0.6, seed=1)
+    config = DecodeConfig(method="tree", max_new_tokens=40, max_depth=6)
+    stats = {False: DecodeStats(), True: DecodeStats()}
+    for prompt in repetitive_prompts(6):
+        reference = generate(KVModel(target), None, prompt,
+                             DecodeConfig(method="ar", max_new_tokens=40)).tokens
+        for branch in stats:
+            out = generate(KVModel(target), ModelDrafter(KVModel(draft)), prompt,
+                           DecodeConfig(**{**config.__dict__, "lookup_branch": branch}),
+                           ConfidenceTree(RULE))
+            assert out.tokens == reference, (branch, prompt.tolist())
+            stats[branch].add(out.stats)
+    assert stats[True].accepted > stats[False].accepted  # the branch is taken
+    assert stats[True].verified_tokens > stats[True].drafted_tokens  # it is verified, not drafted
