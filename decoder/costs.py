@@ -1,12 +1,22 @@
-"""Every measured cost, in one place: what a pass costs by width, as measured and as replayed.
+"""Every measured cost, in one place: what a pass costs by width, as measured and as paid.
 
-- `VerifyCosts`: median seconds of one pass over n new tokens (stage `prepare`'s
-  data/costs/verify.json for the target); the decode loop pads a pass to the cheapest measured
-  width at least as large.  On CPUs the cost is uneven in n (fast and slow GEMM shapes,
-  ../shared/NOTES.md), so it is measured per model/dtype/device rather than assumed.
+- `CostCurve`: the one reading of a measured table (seconds of one pass by width).  `.at(n)` is
+  a pass over n tokens in one-token steps: the measured ratio, linearly interpolated between
+  measured widths, extrapolated beyond the widest with the slope of the two widest.
+  `.padded(n)` is the width the decode loop runs a pass over n tokens at (`loop.score`) and
+  what that costs: a measured n runs at the cheapest measured width >= n (ties to the narrower),
+  an unmeasured n at n itself (priced by `.at`).  `.price(n)` is that cost in `ar` steps (a
+  one-token pass as the loop pays it: itself padded where a wider pass is cheaper), the unit of
+  every replay's speedup over `ar`; `.prices(N)` for n = 0..N is the table every replay, the
+  level-wise rules, the sweep's prediction and the exported tree rule (`TreeRule.verify_cost`)
+  price passes with, so they price what the loop pays.  On CPUs the cost is uneven in n (fast
+  and slow GEMM shapes, ../shared/NOTES.md), so it is measured per model/dtype/device rather
+  than assumed.
+- `VerifyCosts`: stage `prepare`'s table for the target (data/costs/verify.json); its `.curve`
+  is what the runtime pads with.
 - `measure_costs`: the table stage `collect` records beside the logged rounds (costs.json):
   target pass by tree size, draft step by level width, decision latency.
-- `CostModel`: that table as the replay reads it, in target one-token steps.
+- `CostModel`: that table as the replay reads it: the target's and the draft's curves.
 """
 
 from __future__ import annotations
@@ -31,6 +41,60 @@ from .tree import Tree
 
 
 @dataclass(frozen=True)
+class CostCurve:
+    """A measured cost table by width, read one way (see the module docstring)."""
+
+    seconds: dict[int, float]  # measured width -> seconds of one pass (width 1 required)
+
+    def __post_init__(self) -> None:
+        if 1 not in self.seconds or any(n < 1 or not t > 0 for n, t in self.seconds.items()):
+            raise ValueError(f"a cost curve needs width 1 and positive times at widths >= 1, "
+                             f"got {self.seconds}")
+
+    @property
+    def step(self) -> float:
+        """Seconds of a one-token pass, the unit of `at`."""
+        return self.seconds[1]
+
+    def at(self, n: int) -> float:
+        """One-token steps of a pass over n tokens (0 for none), interpolated where n was not
+        measured, extrapolated beyond the widest measured width by the last slope."""
+        if n in self.seconds:
+            return self.seconds[n] / self.step
+        if n < 1:
+            return 0.0
+        widths = sorted(self.seconds)
+        if len(widths) == 1:
+            return 1.0
+        values = np.array([self.seconds[w] for w in widths]) / self.step
+        if n > widths[-1]:
+            slope = (values[-1] - values[-2]) / (widths[-1] - widths[-2])
+            return float(values[-1] + slope * (n - widths[-1]))
+        return float(np.interp(n, widths, values))
+
+    def padded(self, n: int) -> tuple[int, float]:
+        """(width, steps): the width the decode loop pads a pass over n tokens to, the cheapest
+        measured width >= n when n is measured (else n), and its cost."""
+        if n not in self.seconds:
+            return n, self.at(n)
+        width = min((m for m in self.seconds if m >= n), key=lambda m: (self.seconds[m], m))
+        return width, self.at(width)
+
+    @property
+    def ar_seconds(self) -> float:
+        """Seconds the loop pays for a one-token pass (`ar`'s step), padding included."""
+        return self.padded(1)[1] * self.step
+
+    def price(self, n: int) -> float:
+        """What the loop pays for a pass over n tokens, in `ar` steps (0 for none)."""
+        return self.padded(n)[1] / self.padded(1)[1] if n > 0 else 0.0
+
+    def prices(self, up_to: int) -> np.ndarray:
+        """[up_to + 1] `price` of a pass over n = 0..up_to tokens."""
+        return np.array([self.price(n) for n in range(up_to + 1)])
+
+
+@dataclass(frozen=True)
 class VerifyCosts:
     """Median seconds of one target pass over n new tokens after a fixed context."""
 
@@ -41,16 +105,9 @@ class VerifyCosts:
     seconds: dict[int, float]  # n -> seconds
     kernel: str = "aten"  # how the forwards ran (`KVModel.kernel`); tables before it: aten
 
-    def ratio(self, n: int) -> float:
-        """v(n): cost of a pass over n tokens relative to a one-token step."""
-        return self.seconds[n] / self.seconds[1]
-
-    def padded_width(self, n: int) -> int:
-        """The cheapest measured width >= n (n itself when nothing wider is cheaper)."""
-        wider = [m for m in self.seconds if m >= n]
-        if n not in self.seconds or not wider:
-            return n
-        return min(wider, key=lambda m: (self.seconds[m], m))
+    @property
+    def curve(self) -> CostCurve:
+        return CostCurve(self.seconds)
 
     def save(self, path: Path) -> None:
         write_json(path, asdict(self))
@@ -165,11 +222,11 @@ def _decision_seconds(vocab: int, width: int, repeats: int) -> float:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds from `costs.json` (stage `collect`), read as target one-token steps."""
+    """`costs.json` (stage `collect`) as the replay reads it: cost curves and the decision."""
 
     tree_sizes: tuple[int, ...]  # nodes of the tree cut at depth 0..max_depth
-    target: dict[int, float]  # seconds of one target pass by width
-    draft: dict[int, float]  # seconds of one draft step by width
+    target: CostCurve  # one target pass by width
+    draft: CostCurve  # one draft step by width
     decision: float  # seconds of the features + a threshold decision for one level
 
     @classmethod
@@ -178,8 +235,8 @@ class CostModel:
         try:
             raw = json.loads(Path(path).read_text())
             return cls(_tree_sizes(raw["tree_sizes"]),
-                       seconds_by_width(raw["target"]["seconds"], "target.seconds"),
-                       seconds_by_width(raw["draft"]["seconds"], "draft.seconds"),
+                       CostCurve(seconds_by_width(raw["target"]["seconds"], "target.seconds")),
+                       CostCurve(seconds_by_width(raw["draft"]["seconds"], "draft.seconds")),
                        _decision_field(raw.get("decision_seconds", 0.0)))
         except FileNotFoundError:
             raise DataError(f"{path}: cost model not found (run `specstop collect` first)")
@@ -194,25 +251,27 @@ class CostModel:
 
     @property
     def target_step(self) -> float:
-        return _at(self.target, 1)
+        """Seconds of `ar`'s step, the unit of every cost here (`CostCurve.ar_seconds`)."""
+        return self.target.ar_seconds
 
     def draft_step(self, width: int, extra: float = 0.0) -> float:
-        """Target steps of one draft step feeding `width` nodes, its features and decision
+        """`ar` steps of one draft step feeding `width` nodes, its features and decision
         (`extra` seconds more: a learned model's latency) included."""
-        return (_at(self.draft, width) + self.decision + extra) / self.target_step
+        return (self.draft.at(width) * self.draft.step + self.decision + extra) / self.target_step
 
     def round_cost(self, extra: float = 0.0) -> np.ndarray:
-        """[max_depth + 1] cost (target steps) of a round cut at depth D; `extra` seconds per
-        decision (a learned model's latency)."""
+        """[max_depth + 1] cost (`ar` steps) of a round cut at depth D: its draft steps and the
+        target pass over the cut tree as the loop pays it (`CostCurve.price`); `extra` seconds
+        per decision (a learned model's latency)."""
         sizes = (0, *self.tree_sizes)
-        steps = [_at(self.draft, sizes[d] - sizes[d - 1]) + self.decision + extra
+        steps = [self.draft_step(sizes[d] - sizes[d - 1], extra)
                  for d in range(1, self.max_depth + 1)]
         draft = np.concatenate([[0.0], np.cumsum(steps)])
-        verify = np.array([_at(self.target, n) for n in self.tree_sizes])
-        return (draft + verify) / self.target_step
+        verify = np.array([self.target.price(n) for n in self.tree_sizes])
+        return draft + verify
 
     def marginal_cost(self, extra: float = 0.0) -> np.ndarray:
-        """[max_depth + 1] c + v: cost (target steps) of drafting and verifying level d + 1
+        """[max_depth + 1] c + v: cost (`ar` steps) of drafting and verifying level d + 1
         after level d (index d; the last entry is unused)."""
         cost = self.round_cost(extra)
         return np.append(np.diff(cost), np.inf)
@@ -232,17 +291,3 @@ def _decision_field(raw: object) -> float:
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"field 'decision_seconds' must be finite and >= 0, got {raw!r}")
     return seconds
-
-
-def _at(seconds: dict[int, float], width: int) -> float:
-    """Measured seconds at `width`, linearly interpolated (or extrapolated) between widths."""
-    if width in seconds:
-        return seconds[width]
-    widths = np.array(sorted(seconds))
-    values = np.array([seconds[w] for w in widths])
-    if len(widths) == 1:
-        return float(values[0])
-    if width > widths[-1]:
-        slope = (values[-1] - values[-2]) / (widths[-1] - widths[-2])
-        return float(values[-1] + slope * (width - widths[-1]))
-    return float(np.interp(width, widths, values))

@@ -30,7 +30,7 @@ from specstop.common.params import METHODS
 from specstop.features import RoundContext, draft_features, feature_index, root_statistics
 
 from .contracts import Proposal, Scores, Verdict
-from .costs import VerifyCosts
+from .costs import CostCurve
 from .drafter import Drafter, draft_children
 from .dynamic import propose_tree
 from .kv import KVModel
@@ -207,14 +207,14 @@ def generate(
     eos_id: int | None = None,
     hook: FeatureHook | None = None,
     generator: torch.Generator | None = None,
-    costs: VerifyCosts | None = None,
+    costs: CostCurve | None = None,
 ) -> Generation:
     """Decode up to `config.max_new_tokens` tokens after `prompt`.
 
     `policy`: a StoppingPolicy for the static methods (default: their tree's full depth), a
-    TreePolicy for `tree`.  `costs` (measured verification cost by width) lets each target pass
-    be padded to a cheaper width; `hook` receives a RoundRecord per round (nothing is recorded
-    without it).
+    TreePolicy for `tree`.  `costs` (the target's measured cost curve) lets each target pass be
+    padded to a cheaper width (`CostCurve.padded`); `hook` receives a RoundRecord per round
+    (nothing is recorded without it).
     """
     tree = tree_for(config)  # `tree` rounds build their own
     policy = _checked_policy(config, tree, drafter, policy)
@@ -403,12 +403,12 @@ def root_alone(
 
 
 def score(target: KVModel, tree: Tree, proposal: Proposal, sampling: Sampling,
-          costs: VerifyCosts | None, layers: tuple[int, ...]) -> Scores:
+          costs: CostCurve | None, layers: tuple[int, ...]) -> Scores:
     """One target pass over the proposal under its sliced tree mask (`tree` on the target's
-    device), padded to the cheapest measured width (padding repeats the first root; a lone token
-    needs no mask); with the hidden states of `layers` when there are any."""
+    device), padded to the width `costs.padded` names (padding repeats the first root; a lone
+    token needs no mask); with the hidden states of `layers` when there are any."""
     n = tree.size(proposal.depth)
-    width = costs.padded_width(n) if costs else n
+    width = costs.padded(n)[0] if costs else n
     tokens, positions = proposal.tokens, proposal.root_position + tree.depth[:n]
     ids = torch.cat([tokens, tokens[:1].expand(width - n)])
     positions = torch.cat([positions, positions[:1].expand(width - n)])

@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from specstop.common.errors import SpecstopError
 from specstop.common.params import TreeConfig
 
-from .costs import VerifyCosts
+from .costs import CostCurve
 from .drafter import Drafter
 from .kv import KVModel
 from .load import chat_text, with_bos
@@ -26,7 +26,7 @@ class Runtime:
     target: KVModel
     drafter: Drafter | None
     tokenizer: PreTrainedTokenizerBase
-    costs: VerifyCosts | None
+    costs: CostCurve | None  # the target's verify-cost curve, what `score` pads with
     context_limit: int  # the longest sequence both models take
     limited_by: str  # the model that sets it: 'target' or 'draft'
 

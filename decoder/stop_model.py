@@ -15,7 +15,7 @@ The rules are those the replay tuned, with the arithmetic both share (`.policy`)
 - cost_aware: continue below a node while P_d * p-hat_d / (c + v)_d > rho: P_d the product of
   p-hat along the node's branch within the round, level d included (reset at depth 1, carried
   to the children through `parents`), p-hat_d standing in for the next token's acceptance, and
-  (c + v)_d the marginal cost of drafting level d + 1 (in target steps); beyond the levels the
+  (c + v)_d the marginal cost of drafting level d + 1 (in `ar` steps); beyond the levels the
   cost model covers it stops.
 """
 

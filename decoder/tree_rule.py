@@ -4,8 +4,10 @@ Every node of a round's tree has a *survival* s: the chance it is accepted, the 
 path of P(node accepted | parent accepted) (a policy's calibrated prediction; EAGLE-2 uses the
 draft's own path confidence instead).  One round spends draft steps (one per level, its cost
 growing with the number of nodes fed) and one target pass over the verified nodes (its cost
-`verify_cost[n]`, measured, in one-token target steps).  With rho the throughput to beat (tokens
-per target step), the round maximises  expected tokens - rho * cost:
+`verify_cost[n]` in `ar` steps: `decoder.costs.CostCurve.prices`, what the decode loop pays for
+a pass over n tokens, padding included, at every n a round of the rule can verify).  With rho
+the throughput to beat (tokens per `ar` step), the round maximises  expected tokens - rho *
+cost:
 
 - expand: after a level is drafted, feed the draft the candidates whose survival exceeds
   `expand` (at most `max_width` of them, the most likely first); their children are the next
@@ -47,9 +49,10 @@ import numpy as np
 class TreeRule:
     branching: tuple[int, ...]  # candidate children per fed node at levels 1..max_depth
     expand: float  # feed a candidate whose survival exceeds this
-    rho: float  # tokens per target step to beat
+    rho: float  # tokens per `ar` step to beat
     max_width: int  # nodes fed per draft step at most (sampling rule: nodes per level)
-    verify_cost: tuple[float, ...]  # [n] target steps of a pass over n tokens (index 0 unused)
+    verify_cost: tuple[float, ...]  # [n] `ar` steps of a pass over n tokens (index 0 unused):
+    # `CostCurve.prices`, up to 1 + max_nodes at least
     prune: bool = True  # drop drafted nodes not worth verifying (greedy decoding only)
     rank_accept: tuple[tuple[float, ...], ...] = ()  # [level][rank] r: the sampling rule (empty:
     # feed by survival, every child of a fed node)
@@ -61,8 +64,10 @@ class TreeRule:
         if self.max_width < 1 or self.rho < 0 or not np.isfinite(self.expand):
             raise ValueError(f"max_width must be >= 1, rho >= 0 and expand finite, got "
                              f"{self.max_width}, {self.rho}, {self.expand}")
-        if len(self.verify_cost) < 2:
-            raise ValueError("verify_cost needs the one-token pass (index 1)")
+        if len(self.verify_cost) < 2 + self.max_nodes:
+            raise ValueError(f"verify_cost must price every pass the rule can verify, up to "
+                             f"1 + {self.max_nodes} tokens; it has {len(self.verify_cost)} "
+                             f"entries")
         if self.rank_accept and (
                 len(self.rank_accept) != self.max_depth
                 or any(len(r) != k or any(b > a for a, b in zip(r, r[1:]))
@@ -74,17 +79,24 @@ class TreeRule:
     def max_depth(self) -> int:
         return len(self.branching)
 
+    @property
+    def max_nodes(self) -> int:
+        """The most nodes a round drafts below the root: the root's `branching[0]` children,
+        then at most min(level's nodes, max_width) nodes fed a level, `branching[d]` each (the
+        sampling rule's levels hold at most max_width nodes, fewer still)."""
+        level, total = self.branching[0], self.branching[0]
+        for k in self.branching[1:]:
+            level = min(level, self.max_width) * k
+            total += level
+        return total
+
     def exact_under(self, greedy: bool) -> "TreeRule":
         """The rule as exact decoding applies it: `prune` only under greedy decoding."""
         return self if greedy or not self.prune else replace(self, prune=False)
 
     def cost(self, n: int) -> float:
-        """Target steps of a pass over n tokens (the last measured slope beyond the table)."""
-        table = self.verify_cost
-        if n < len(table):
-            return table[n]
-        slope = table[-1] - table[-2] if len(table) > 2 else 0.0
-        return table[-1] + slope * (n - len(table) + 1)
+        """`ar` steps of a pass over n tokens (n <= 1 + max_nodes)."""
+        return self.verify_cost[n]
 
     def as_dict(self) -> dict:
         return {**asdict(self), "branching": list(self.branching),
@@ -97,25 +109,6 @@ class TreeRule:
                    float(raw["rho"]), int(raw["max_width"]),
                    tuple(float(c) for c in raw["verify_cost"]), bool(raw.get("prune", True)),
                    tuple(tuple(float(a) for a in r) for r in raw.get("rank_accept", ())))
-
-
-def verify_cost_table(seconds: dict[int, float], up_to: int) -> tuple[float, ...]:
-    """[up_to + 1] target steps of a pass over n = 0..up_to tokens from measured seconds by
-    width, as the decode loop pays them (`VerifyCosts.padded_width`): a measured width runs at
-    the cheapest measured width >= it; others are interpolated, beyond the widest extrapolated."""
-    widths = np.array(sorted(seconds))
-    values = np.array([seconds[w] for w in widths]) / seconds[1]
-    n = np.arange(up_to + 1)
-    cost = np.interp(n, widths, values)
-    if len(widths) > 1:
-        slope = (values[-1] - values[-2]) / (widths[-1] - widths[-2])
-        cost = np.where(n > widths[-1], values[-1] + slope * (n - widths[-1]), cost)
-    padded = np.minimum.accumulate(values[::-1])[::-1]  # cheapest measured width >= each
-    for w, c in zip(widths, padded):
-        if w <= up_to:
-            cost[w] = c
-    cost[0] = 0.0
-    return tuple(float(c) for c in cost)
 
 
 def feed(survival: np.ndarray, rule: TreeRule) -> np.ndarray:

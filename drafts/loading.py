@@ -56,7 +56,8 @@ def load_runtime(target: str, draft: str | None, dtype: str = "auto", device: st
                 (target, str(dt).removeprefix("torch."), dev.type, target_lm.kernel):
             table = None  # measured for another model, dtype, device or kernel: not applicable
     limit, limited_by = context_limit(loaded.model, drafter)
-    return Runtime(target_lm, drafter, loaded.tokenizer, table, limit, limited_by)
+    curve = None if table is None else table.curve
+    return Runtime(target_lm, drafter, loaded.tokenizer, curve, limit, limited_by)
 
 
 def context_limit(target: torch.nn.Module, drafter: LoadedDrafter | None) -> tuple[int, str]:

@@ -30,7 +30,7 @@ from specstop.common.files import resume_or_set_aside, write_atomic, write_json
 from specstop.common.params import (DraftConfig, DraftSpec, DraftTrainConfig, ModelsConfig,
                                     TrackingStore)
 from specstop.common.tracking import check, mark_model_training, tracking_uri
-from specstop.decoder.costs import VerifyCosts, measure_verify_costs
+from specstop.decoder.costs import CostCurve, VerifyCosts, measure_verify_costs
 from specstop.decoder.load import cpu_has_bf16, load_model, resolve_device, resolve_dtype
 from specstop.decoder.loop import DecodeConfig
 from specstop.evaluation.side_by_side import bench
@@ -250,7 +250,8 @@ def _measure(spec: DraftSpec, folder: Path, cfg: DraftConfig, models: ModelsConf
     target_costs = measure_verify_costs(runtime.target, "target", [], repeats=10)
     draft_costs = measure_verify_costs(runtime.drafter.lm, "draft", [], repeats=10)
     c = draft_costs.seconds[1] / target_costs.seconds[1]
-    verify = VerifyCosts.load(cfg.verify_costs) if cfg.verify_costs.is_file() else None
+    verify = (VerifyCosts.load(cfg.verify_costs).curve if cfg.verify_costs.is_file()
+              else None)
     predicted = {g: _predicted_speedup(alpha, c, g, verify) for g in range(1, 9)}
     best_predicted = max(predicted, key=predicted.get)
     gammas = sorted(set(cfg.eval.gammas))
@@ -289,15 +290,14 @@ def acceptance_by_level(accepted_per_round: list[int], gamma: int) -> list[float
             for k in range(1, gamma + 1)]
 
 
-def _predicted_speedup(alpha: float, c: float, gamma: int, verify: VerifyCosts | None) -> float:
-    """i.i.d. acceptance (Leviathan et al.): tokens per round over the round's cost in target
-    steps, with the measured cost of verifying gamma + 1 tokens (1 where not measured)."""
+def _predicted_speedup(alpha: float, c: float, gamma: int, verify: CostCurve | None) -> float:
+    """i.i.d. acceptance (Leviathan et al.): tokens per round over the round's cost in `ar`
+    steps, gamma draft steps (c one-token target steps each) and a pass over gamma + 1 tokens
+    as the decode loop pays them (`CostCurve.price`; 1 step each without a measured curve)."""
     tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-    v = 1.0
-    if verify is not None:
-        width = verify.padded_width(gamma + 1)
-        v = verify.ratio(width) if width in verify.seconds else 1.0
-    return tokens / (gamma * c + v)
+    if verify is None:
+        return tokens / (gamma * c + 1.0)
+    return tokens / (gamma * c / verify.padded(1)[1] + verify.price(gamma + 1))
 
 
 def _publish(source: Path, dest: Path) -> None:

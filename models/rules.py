@@ -12,7 +12,7 @@ above a threshold"; the scores and the comparison are the runtime's own (`decode
   so far) and P_d = prod_{i<=d} p-hat_i along the branch (every drafted token of the branch
   accepted).  The next token's acceptance a-hat_{d+1} is unknown until level d + 1 is drafted,
   so the last prediction stands in for it: a-hat_{d+1} := p-hat_d.  c + v is the measured cost
-  (target steps) of drafting level d + 1 and widening the target pass by it, decision latency
+  (`ar` steps) of drafting level d + 1 and widening the target pass by it, decision latency
   included (`CostModel.marginal_cost`), so the threshold depends on d.  rho is found by
   Dinkelbach's iteration: start at the best static speed, replay, set rho to the speed, repeat.
 

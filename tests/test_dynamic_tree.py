@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specstop.decoder.costs import VerifyCosts
+from specstop.decoder.costs import CostCurve
 from specstop.decoder.drafter import FeatureDrafter, ModelDrafter
 from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, DecodeStats, RoundRecord, generate
@@ -23,7 +23,7 @@ from conftest import perturbed_copy, tiny_llama
 VOCAB = 97
 # A pass costs 1e-4 target steps more per node: the tiny random drafts are near-uniform, so
 # survival falls from ~1e-2 at level 1 to ~1e-4 at level 2 and ~1e-6 at level 3.
-COST = (0.0, 1.0, 1.0 + 1e-4)
+COST = tuple(CostCurve({1: 1.0, 2: 1.0 + 1e-4}).prices(64))  # the tree's every size
 RULES = {
     "verify-all": TreeRule((3, 2, 2, 1), expand=0.0, rho=0.0, max_width=3, verify_cost=COST),
     "verify-none": TreeRule((2, 2, 1), expand=0.0, rho=1e6, max_width=2, verify_cost=COST),
@@ -125,7 +125,7 @@ def test_eos_stops_and_budget_is_exact(models):
 
 
 def test_padding_to_a_cheaper_width_keeps_the_output(models):
-    costs = VerifyCosts("tiny", "float32", "cpu", 8, {1: 1.0, 2: 0.9, 4: 1.5, 8: 0.5, 16: 2.0})
+    costs = CostCurve({1: 1.0, 2: 0.9, 4: 1.5, 8: 0.5, 16: 2.0})
     prompt = prompts(1, seed=7)[0]
     for rule in ("verify-all", "pruned"):
         assert tree_run(models, prompt, rule, costs=costs).tokens == ar_tokens(models, prompt)

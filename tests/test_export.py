@@ -15,7 +15,7 @@ import torch
 
 from specstop.common.errors import SpecstopError
 from specstop.common.params import ExportConfig
-from specstop.decoder.costs import CostModel
+from specstop.decoder.costs import CostCurve, CostModel
 from specstop.decoder.policy import ConfidenceThreshold, FixedDepth, decoding_rule
 from specstop.decoder.stop_model import LearnedPolicy, load_stop_model, read_stop_model
 from specstop.decoder.tree_rule import TreeRule
@@ -211,8 +211,9 @@ def ti_mcsd_rounds(rounds: int = 6, width: int = 3, levels: int = 4,
     return pd.DataFrame(rows), q
 
 
-COSTS = CostModel((1, 4, 7, 10, 13), {1: 0.04, 4: 0.041, 7: 0.043, 10: 0.046, 13: 0.05},
-                  {1: 0.005, 3: 0.006}, 1e-5)
+COSTS = CostModel((1, 4, 7, 10, 13),
+                  CostCurve({1: 0.04, 4: 0.041, 7: 0.043, 10: 0.046, 13: 0.05}),
+                  CostCurve({1: 0.005, 3: 0.006}), 1e-5)
 
 
 def replay_cut(rule: str, replay: Replay, p: np.ndarray, parameter: float) -> np.ndarray:

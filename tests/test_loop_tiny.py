@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specstop.decoder.costs import VerifyCosts
+from specstop.decoder.costs import CostCurve
 from specstop.decoder.drafter import ModelDrafter
 from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, RoundRecord, generate
@@ -120,7 +120,7 @@ def test_draft_equal_to_target_accepts_everything_when_sampling(models):
 
 def test_padding_to_a_cheaper_width_keeps_the_output(models):
     target, draft = models
-    costs = VerifyCosts("tiny", "float32", "cpu", 8, {1: 1.0, 2: 0.9, 4: 1.5, 8: 0.5, 16: 2.0})
+    costs = CostCurve({1: 1.0, 2: 0.9, 4: 1.5, 8: 0.5, 16: 2.0})
     prompt = prompts(1, seed=7)[0]
     for config in EXACT:
         config = with_method(config, max_new_tokens=30)

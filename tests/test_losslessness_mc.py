@@ -29,6 +29,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
+from specstop.decoder.costs import CostCurve
 from specstop.decoder.drafter import ModelDrafter, draft_children
 import specstop.decoder.verify as verify
 from specstop.decoder.loop import DRAFTLESS, DecodeConfig, generate
@@ -264,7 +265,8 @@ METHODS = {
 # Expands some nodes but not all (the draft's path confidence above 0.3, two per level at most);
 # its pruning (verify a node while its survival beats 0.5 x 0.5 target steps) is for greedy
 # decoding only, so these sampled runs must verify every drafted node.
-TREE_RULE = TreeRule((2, 2, 1), expand=0.3, rho=0.5, max_width=2, verify_cost=(0.0, 1.0, 1.5))
+TREE_RULE = TreeRule((2, 2, 1), expand=0.3, rho=0.5, max_width=2,
+                     verify_cost=tuple(CostCurve({1: 1.0, 2: 1.5}).prices(16)))
 # The sampling rule: child j of node i iff its path confidence times r[d][j] exceeds 0.2, at most
 # three a level (0 to 2 children per node, decided before they are drawn).
 SAMPLING_RULE = replace(TREE_RULE, expand=0.2, max_width=3,

@@ -11,12 +11,13 @@ import pytest
 
 from specstop.common.errors import DataError
 from specstop.models import data, rules
-from specstop.decoder.costs import CostModel
+from specstop.decoder.costs import CostCurve, CostModel
 from specstop.models.simulate import Replay
 
 from synthetic_rows import make_collect
 
-COSTS = CostModel((1, 4, 7, 10), {1: 1.0, 4: 1.3, 10: 1.9}, {1: 0.1, 3: 0.2}, 0.0)
+COSTS = CostModel((1, 4, 7, 10), CostCurve({1: 1.0, 4: 1.3, 10: 1.9}), CostCurve({1: 0.1, 3: 0.2}),
+                  0.0)
 
 
 def ti_round(round_index: int, labels: list[list[int]], soft: list[list[float]] | None = None,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specstop.decoder import loop, verify
+from specstop.decoder.costs import CostCurve
 from specstop.decoder.drafter import ModelDrafter
 from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, generate
@@ -21,7 +22,8 @@ from conftest import perturbed_copy, tiny_llama
 from syncs import TransferCounter
 
 SAMPLING = Sampling(temperature=1.0, top_p=0.9)
-RULE = TreeRule((3, 2, 2, 1), expand=0.0, rho=1.0, max_width=3, verify_cost=(0.0, 1.0, 1.0001))
+RULE = TreeRule((3, 2, 2, 1), expand=0.0, rho=1.0, max_width=3,
+                verify_cost=tuple(CostCurve({1: 1.0, 2: 1.0001}).prices(32)))
 STATIC = {"sd": DecodeConfig(method="sd", max_depth=4),
           "mcsd": DecodeConfig(method="mcsd", max_depth=4, mcsd_branching=(2, 2)),
           "ti-mcsd": DecodeConfig(method="ti-mcsd", max_depth=4, ti_width=3)}

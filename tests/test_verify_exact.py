@@ -21,6 +21,7 @@ import torch
 
 import specstop.decoder.dynamic as dynamic
 import specstop.decoder.verify as verify
+from specstop.decoder.costs import CostCurve
 from specstop.decoder.dynamic import propose_tree
 from specstop.decoder.policy import ConfidenceTree
 from specstop.decoder.sampling import Sampling
@@ -599,7 +600,8 @@ def drafted_trees(children: ScriptedChildren, run: Callable[[], R]) -> list[tupl
 DYNAMIC_TOL = 1e-7  # the draft's q passes through float32 (`warp`), as in the decode loop
 # Feed the candidates whose path confidence exceeds 0.3 (the best one only); prune (greedy only)
 # those whose survival is below ~0.25.
-DYNAMIC_RULE = dict(expand=0.3, rho=0.5, max_width=1, verify_cost=(0.0, 1.0, 1.5))
+DYNAMIC_RULE = dict(expand=0.3, rho=0.5, max_width=1,
+                    verify_cost=tuple(CostCurve({1: 1.0, 2: 1.5}).prices(16)))
 # The sampling rule: child j of node i iff s_i * r[d][j] > 0.2, at most three a level; a level-1
 # node's own token decides how many children it gets (0, 1 or 2), never whether it is verified.
 SAMPLING_RULE = dict(DYNAMIC_RULE, expand=0.2, max_width=3, rank_accept=((0.9, 0.5), (0.8, 0.4)))
