@@ -65,7 +65,8 @@ def propose_tree(
                          kept)
         p_hat = policy.probabilities(features).double().cpu().numpy()
         survival = drafted.survival[frontier][parent] * p_hat
-        next_counts = children(survival, depth + 1, rule) if depth + 1 < levels \
+        nodes = len(drafted.parent) + len(slots)  # the tree's nodes once these are added
+        next_counts = children(survival, depth + 1, rule, nodes=nodes) if depth + 1 < levels \
             else np.zeros(len(slots), dtype=np.int64)
         decision += time.perf_counter() - start
         frontier = drafted.add(frontier[parent], rank, q, kids, features, survival,

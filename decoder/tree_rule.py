@@ -18,20 +18,23 @@ cost:
   multi-candidate rule sees a prefix of each node's sampling order).  `prune` off keeps every
   drafted node: with sampling, dropping a node for its own token's score would bias the output.
 
-The sampling rule (`rank_accept` set, Sequoia-style): r[d][j] estimates the chance that the j-th
-child drafted at level d + 1 is accepted given its parent was and its earlier siblings were not
-(fitted on sampled rounds' exact `accept_prob`, non-increasing in j).  After level d is drafted,
-node i gets child j iff s_i * r[d][j] > `expand`, at most `max_width` children per level (the
-largest values; ties to the earlier node and rank), so each node's children are a prefix of its
-sampling order; every drafted node is verified.  Why it is exact: the number k_i of candidates
-tested at node i is a function of the tree drafted before i's children (i's own token, its
-ancestors, the other nodes of i's level) and of the fitted table, never of i's children's draws
-or of the verification uniforms.  Conditional on the path reaching i and on that history, the k_i
-candidates are a fresh i.i.d. or without-replacement sample from q(.|path), and multi-candidate
-speculative sampling emits exactly p(.|path) for any fixed k (k = 0: the bonus, drawn from p); by
-induction along the path the output is target-only decoding's.  What breaks it is a node whose
-own inclusion depends on its own token (greedy `verify_set` under sampling): the candidates
-tested are then a filtered sample of q and the residual is taken against the wrong q.
+The sampling rule (`rank_accept` set, Sequoia-style, cost-aware): r[d][j] estimates the chance
+that the j-th child drafted at level d + 1 is accepted given its parent was and its earlier
+siblings were not (fitted on sampled rounds' exact `accept_prob`, non-increasing in j). After
+level d is drafted, the slot (node i, its j-th child) is worth s_i * r[d][j] expected tokens;
+the level gets the k most valuable slots (k <= `max_width`; ties to the earlier node and rank)
+where k maximises their worth minus rho * the verify cost they add, and none unless that gain
+exceeds `expand`, what drafting the level costs in tokens. So a wide first level and no second
+(the best static tree when deeper levels do not pay) is one of its trees. Each node's children
+are a prefix of its sampling order; every drafted node is verified. Why it is exact: the number
+k_i of candidates tested at node i is a function of the tree drafted before i's children (i's
+own token, its ancestors, the other nodes of i's level) and of the fitted table, never of i's
+children's draws or of the verification uniforms. Conditional on the path reaching i and on that
+history, the k_i candidates are a fresh i.i.d. or without-replacement sample from q(.|path), and
+multi-candidate speculative sampling emits exactly p(.|path) for any fixed k (k = 0: the bonus,
+drawn from p); by induction along the path the output is target-only decoding's. What breaks it
+is a node whose own inclusion depends on its own token (greedy `verify_set` under sampling): the
+candidates tested are then a filtered sample of q and the residual is taken against the wrong q.
 
 Fixed shapes, the draft's confidence and a learned model are instances: they differ only in
 where s comes from.  The arithmetic is NumPy on one round; the decode loop and the replay
@@ -123,20 +126,51 @@ def feed(survival: np.ndarray, rule: TreeRule) -> np.ndarray:
 
 
 def children(survival: np.ndarray, level: int, rule: TreeRule,
-             groups: np.ndarray | None = None) -> np.ndarray:
+             groups: np.ndarray | None = None, nodes: np.ndarray | int = 1) -> np.ndarray:
     """[m] children to draft below each node of `level` (0: the root) with survival [m]: all
     `branching[level]` of a fed node (`feed`; the root always), or the sampling rule's prefix
-    (s * r[level][j] > expand, the `max_width` largest per group, the root's first child
-    always; `groups` [m]: the replay's rounds, one group by default)."""
+    (`_sampling_children`); `groups` [m]: the replay's rounds (one group by default), `nodes`
+    [groups]: the nodes each round's tree holds so far, the root included."""
     width = rule.branching[level]
     if not rule.rank_accept:
         fed = np.ones(1, dtype=bool) if level == 0 else feed(survival, rule)
         return np.where(fed, width, 0)
-    value = (survival[:, None] * np.asarray(rule.rank_accept[level])[None, :]).ravel()  # [m * k]
-    slot_group = np.repeat(np.zeros(len(survival), np.int64) if groups is None else groups, width)
-    keep = (value > rule.expand) & (_rank_within(value, slot_group) < rule.max_width)
-    counts = keep.reshape(-1, width).sum(axis=1)
+    group = np.zeros(len(survival), np.int64) if groups is None else groups
+    if np.isscalar(nodes):
+        nodes = np.full(int(group.max(initial=0)) + 1, nodes)
+    counts = _sampling_children(survival, np.asarray(rule.rank_accept[level]), group,
+                                np.asarray(nodes), rule)
     return np.maximum(counts, 1) if level == 0 else counts  # the root: its first child at least
+
+
+def _sampling_children(survival: np.ndarray, r: np.ndarray, group: np.ndarray,
+                       nodes: np.ndarray, rule: TreeRule) -> np.ndarray:
+    """[m] the sampling rule's children of each node: a slot (node i, its j-th child) is worth
+    s_i * r[j] expected tokens; per group the k most valuable slots (k <= max_width) where k
+    maximises their worth minus rho * the verify cost they add (a pass over nodes + k tokens
+    instead of nodes), and none unless that gain exceeds `expand` (what drafting a level costs,
+    in tokens)."""
+    width = len(r)
+    value = (survival[:, None] * r[None, :]).ravel()  # [m * width]
+    slot_group = np.repeat(group, width)
+    rank = _rank_within(value, slot_group)
+    order = np.lexsort((rank, slot_group))  # each group's slots, most valuable first
+    g, k = slot_group[order], rank[order] + 1
+    first = np.flatnonzero(np.r_[True, g[1:] != g[:-1]]) if len(g) else np.zeros(0, np.int64)
+    run = np.repeat(np.arange(len(first)), np.diff(np.r_[first, len(g)]))
+    worth = np.cumsum(value[order])
+    worth -= np.r_[0.0, worth][first][run]  # the k most valuable slots of the group
+    cost = np.asarray(rule.verify_cost)
+    wider = nodes[g] + np.minimum(k, rule.max_width)  # the pass's tokens (k <= max_width)
+    gain = np.where(k <= rule.max_width, worth - rule.rho * (cost[wider] - cost[nodes[g]]),
+                    -np.inf)
+    best = np.maximum.reduceat(gain, first) if len(g) else gain
+    size = np.minimum.reduceat(np.where(gain == best[run], k, width + 1), first) \
+        if len(g) else k  # the fewest slots with the best gain
+    size[best <= rule.expand] = 0
+    keep = np.empty(len(value), dtype=bool)
+    keep[order] = k <= size[run]
+    return keep.reshape(-1, width).sum(axis=1)
 
 
 def _rank_within(value: np.ndarray, group: np.ndarray) -> np.ndarray:

@@ -200,7 +200,8 @@ class TreeReplay:
         kept = (self.level == 1) & (rank < root[self.round_index])
         for d in range(1, self.max_depth):
             rows = np.flatnonzero(kept & (self.level == d) & (d < self.cap[self.round_index]))
-            counts[rows] = children(s[rows], d, rule, self.round_index[rows])
+            nodes = 1 + np.bincount(self.round_index[kept], minlength=self.rounds)
+            counts[rows] = children(s[rows], d, rule, self.round_index[rows], nodes)
             below = np.flatnonzero((self.level == d + 1) & (self.parent_row >= 0))
             up = self.parent_row[below]
             kept[below] = kept[up] & (rank[below] < counts[up])
@@ -376,17 +377,27 @@ def tune_dynamic(name: str, replay: TreeReplay, p: np.ndarray, costs: TreeCosts,
 
 
 def tune_sampling(name: str, replay: TreeReplay, p: np.ndarray, costs: TreeCosts,
-                  rank_accept: tuple[tuple[float, ...], ...]) -> tuple[Tuned, TreeRule]:
-    """The sampling rule (`tree_rule.children`: child j of node i iff s_i * r[d][j] > expand,
-    at most max_width a level) on sampled rounds, scored by exact expected tokens: (expand,
-    max_width) over the grid; the curve sweeps expand at the best max_width."""
+                  rank_accept: tuple[tuple[float, ...], ...], start_rho: float,
+                  iterations: int = 4) -> tuple[Tuned, TreeRule]:
+    """The sampling rule (`tree_rule.children`) on sampled rounds, scored by exact expected
+    tokens: (expand, max_width) over the grid, rho by Dinkelbach's iteration from `start_rho`;
+    the curve sweeps expand at the best max_width."""
     widths = [w for w in WIDTH_GRID if w < len(costs.step)]
-    results = {(e, w): replay.dynamic(p, costs.rule(replay.tree.branching, e, 0.0, w,
-                                                    rank_accept), costs)
-               for e in EXPAND_GRID for w in widths}
-    expand, width = max(results, key=lambda k: results[k].speedup)
-    result = results[(expand, width)]
-    rule = costs.rule(replay.tree.branching, expand, result.speedup, width, rank_accept)
-    curve = sorted((results[(e, width)].verified, results[(e, width)].speedup)
+    results: dict[tuple[float, int], tuple[TreeResult, TreeRule]] = {}
+    for expand in EXPAND_GRID:
+        for width in widths:
+            rho = start_rho
+            for _ in range(iterations):
+                rule = costs.rule(replay.tree.branching, expand, rho, width, rank_accept)
+                result = replay.dynamic(p, rule, costs)
+                if (expand, width) not in results \
+                        or result.speedup > results[(expand, width)][0].speedup:
+                    results[(expand, width)] = (result, rule)
+                if abs(result.speedup - rho) < 1e-6:
+                    break
+                rho = result.speedup
+    expand, width = max(results, key=lambda k: results[k][0].speedup)
+    result, rule = results[(expand, width)]
+    curve = sorted((results[(e, width)][0].verified, results[(e, width)][0].speedup)
                    for e in EXPAND_GRID)
     return Tuned(name, result, {"expand": expand, "max_width": width, "rho": rule.rho}, curve), rule

@@ -137,9 +137,10 @@ def compare_sampling(train: pd.DataFrame, val: pd.DataFrame, costs: CostModel,
     replay = TreeReplay.from_rows(val, shape)
     table = TreeReplay.from_rows(train, shape).rank_acceptance()
     tuned, rules = dict(best_static(replay, _tree_costs(costs, replay, 0.0))), {}
+    start = max(t.result.speedup for t in tuned.values())
     for name, (p, latency) in {CONFIDENCE_TREE: (q_token, 0.0), **families}.items():
         tuned[name], rule = tune_sampling(name, replay, p, _tree_costs(costs, replay, latency),
-                                          table)
+                                          table, start)
         rules[name] = rule.exact_under(greedy=False)  # verifies every node it drafts
     return SamplingComparison(temperature, tuned, rules, tuple(families))
 

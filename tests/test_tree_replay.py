@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -166,7 +168,7 @@ def test_sampling_rule_replay_is_the_runtime_rule_and_its_monte_carlo(expand, wi
     rows = sampled_rows(12, seed=5)
     replay = TreeReplay.from_rows(rows, BRANCHING)
     table = replay.rank_acceptance()
-    rule = COSTS.rule(BRANCHING, expand, 0.0, width, table)
+    rule = COSTS.rule(BRANCHING, expand, 1.2, width, table)  # rho: the verify cost counts
     result = replay.dynamic(rows["p"].to_numpy(), rule, COSTS)
     tree, rng = Tree(1, BRANCHING), np.random.default_rng(0)
     tokens = cost = mc = 0.0
@@ -176,7 +178,7 @@ def test_sampling_rule_replay_is_the_runtime_rule_and_its_monte_carlo(expand, wi
         cap, s = int(rnd["depth"].max()), {0: 1.0}
         level, kept, widths = [0], set(), []
         for d in range(cap):
-            counts = children(np.array([s[c] for c in level]), d, rule)
+            counts = children(np.array([s[c] for c in level]), d, rule, nodes=1 + len(kept))
             fed = [c for c, k in zip(level, counts) if k > 0]
             if not fed:
                 break
@@ -209,3 +211,18 @@ def test_rank_acceptance_is_the_tested_weighted_rate_and_non_increasing():
     assert all(a >= b for r in table for a, b in zip(r, r[1:]))
     first = (replay.level == 1) & (replay.tree.rank[replay.node].numpy() == 0)
     assert table[0][0] == pytest.approx(replay.gain[first].mean())  # tested every round
+
+
+def test_the_sampling_rule_drafts_the_slots_that_pay_for_their_verification():
+    """Slots by worth s * r; k maximises worth - rho * the verify cost added; none when the best
+    gain does not exceed `expand`; the root keeps its first child."""
+    cheap = (0.0, *(1.0 + 0.05 * n for n in range(12)))
+    rule = TreeRule((3, 2), expand=0.1, rho=1.0, max_width=4, verify_cost=cheap, prune=False,
+                    rank_accept=((0.5, 0.3, 0.2), (0.4, 0.1)))
+    assert children(np.ones(1), 0, rule).tolist() == [3]
+    s = np.array([0.6, 0.3, 0.1])  # worths 0.24 0.06 | 0.12 0.03 | 0.04 0.01; +0.05 per slot
+    assert children(s, 1, rule, nodes=4).tolist() == [2, 1, 0]
+    assert children(s, 1, replace(rule, expand=0.3), nodes=4).tolist() == [0, 0, 0]
+    steep = (0.0, 1.0, 1.05, 1.1, 1.15, *(1.15 + 0.5 * n for n in range(1, 9)))
+    assert children(s, 1, replace(rule, verify_cost=steep), nodes=4).tolist() == [0, 0, 0]
+    assert children(np.ones(1), 0, replace(rule, expand=5.0)).tolist() == [1]

@@ -602,9 +602,11 @@ DYNAMIC_TOL = 1e-7  # the draft's q passes through float32 (`warp`), as in the d
 # those whose survival is below ~0.25.
 DYNAMIC_RULE = dict(expand=0.3, rho=0.5, max_width=1,
                     verify_cost=tuple(CostCurve({1: 1.0, 2: 1.5}).prices(16)))
-# The sampling rule: child j of node i iff s_i * r[d][j] > 0.2, at most three a level; a level-1
-# node's own token decides how many children it gets (0, 1 or 2), never whether it is verified.
-SAMPLING_RULE = dict(DYNAMIC_RULE, expand=0.2, max_width=3, rank_accept=((0.9, 0.5), (0.8, 0.4)))
+# The sampling rule: a level's most valuable slots s_i * r[d][j], at most three, as many as pay
+# for their verification (rho 0.1), none unless they gain more than 0.4; a level-1 node's own
+# token decides how many children it gets, never whether it is verified.
+SAMPLING_RULE = dict(DYNAMIC_RULE, expand=0.4, rho=0.1, max_width=3,
+                     rank_accept=((0.9, 0.5), (0.8, 0.4)))
 
 
 def dynamic_joint(scripted: ScriptedUniform, children: ScriptedChildren,
