@@ -2,10 +2,12 @@
 
 bench.json (CONTRACTS.md): the greedy methods at the top level (`tokens_per_s`,
 `speedup_vs_ar` with `speedup_vs_ar_ci95`, `mean_accepted`, `acceptance_rate`,
-`greedy_identical_to_ar`, counts, quality, the largest divergence gap), the sampled ones under
-`sampling`; `summary` (the exported policy against the best static method, `ar`, `sd` and
-transformers, `sd` against transformers on the same draft, the A/A noise floor: each a ratio
-with its paired 95% bootstrap interval over prompts); `setup`, `latency` and `targets`.
+`greedy_identical_to_ar`, counts, quality, the largest divergence gap, `speedup_vs_ar_by_domain`),
+the sampled ones under `sampling`; `summary` (the exported policy against the best static
+method, `ar`, `sd` and transformers, `sd` against transformers on the same draft, the A/A noise
+floor, `lookup`: the learned tree with the prompt-lookup branch against without it, `lookup`
+alone and transformers' prompt lookup against `ar`, overall and per domain: each a ratio with
+its paired 95% bootstrap interval over prompts); `setup`, `latency` and `targets`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from specstop.evaluation.side_by_side import MethodResult
 from specstop.models.plots import plt, write_csv
 
 AR, AA, SD, EXPORTED = "ar", "ar-aa", "sd", "tree+stop_model"
+LOOKUP, EXPORTED_LOOKUP, HF_LOOKUP = "lookup", "tree+stop_model+lookup", "hf-prompt-lookup"
 CONFIDENCE_TREE = "tree+confidence"
 STATIC = ("sd", "sd-compact", "mcsd", "ti-mcsd", "static-tree")  # fixed shapes, lossless
 HF_ASSISTED = ("hf-assisted", "hf-assisted-static")  # transformers, the same draft as sd's row
@@ -67,13 +70,22 @@ def write(inputs: Inputs, setup: dict, latency: dict, path: Path, folder: Path) 
     return metrics
 
 
-def ratio(inputs: Inputs, mode: str, a: str, b: str) -> Ratio:
-    """Method a's throughput over b's on the same prompts, with its paired interval."""
+def ratio(inputs: Inputs, mode: str, a: str, b: str, domain: str | None = None) -> Ratio:
+    """Method a's throughput over b's on the same prompts (those of `domain` only, if given),
+    with its paired interval."""
     by_name = {r.method: r for r in inputs.results[mode]}
-    per_a, per_b = by_name[a].per_prompt, by_name[b].per_prompt
+    keep = [i for i, d in enumerate(inputs.domains) if domain in (None, d)]
+    per_a = [by_name[a].per_prompt[i] for i in keep]
+    per_b = [by_name[b].per_prompt[i] for i in keep]
     return speed_ratio([s.new_tokens for s in per_a], [s.seconds for s in per_a],
                        [s.new_tokens for s in per_b], [s.seconds for s in per_b],
                        inputs.resamples, inputs.seed)
+
+
+def by_domain(inputs: Inputs, mode: str, a: str, b: str) -> dict[str, dict]:
+    """a over b on every prompt (`all`) and on each domain's prompts."""
+    return {"all": ratio(inputs, mode, a, b).as_dict(),
+            **{d: ratio(inputs, mode, a, b, d).as_dict() for d in sorted(set(inputs.domains))}}
 
 
 def _mode(inputs: Inputs, mode: str) -> dict:
@@ -82,7 +94,10 @@ def _mode(inputs: Inputs, mode: str) -> dict:
     for r in results:
         vs_ar = ratio(inputs, mode, r.method, AR)
         out[r.method] = {**_method(r, n, mode == "greedy"), "speedup_vs_ar": vs_ar.ratio,
-                         "speedup_vs_ar_ci95": vs_ar.as_dict()["ci95"]}
+                         "speedup_vs_ar_ci95": vs_ar.as_dict()["ci95"],
+                         "speedup_vs_ar_by_domain": {
+                             d: ratio(inputs, mode, r.method, AR, d).as_dict()
+                             for d in sorted(set(inputs.domains))}}
         simulated = inputs.simulated.get(mode, {}).get(r.method)
         if simulated:
             out[r.method]["simulated_speedup"] = simulated
@@ -150,7 +165,19 @@ def _summary(inputs: Inputs, greedy: dict) -> dict:
             "winner_measured_over_simulated": greedy.get(EXPORTED, {}).get(
                 "measured_over_simulated"),
             "sd_vs_hf_assisted_same_draft": vs(inputs.same_draft_sd, best_peer),
-            "aa_noise": vs(AA, AR)}
+            "aa_noise": vs(AA, AR), "lookup": _lookup_summary(inputs, greedy)}
+
+
+def _lookup_summary(inputs: Inputs, greedy: dict) -> dict:
+    """Prompt lookup, overall and per domain: the learned tree with its lookup branch against
+    without, `lookup` alone and transformers' prompt lookup against `ar` and each other (None
+    where a method did not run)."""
+    pairs = {"tree_with_vs_without": (EXPORTED_LOOKUP, EXPORTED), "alone_vs_ar": (LOOKUP, AR),
+             "hf_prompt_lookup_vs_ar": (HF_LOOKUP, AR),
+             "alone_vs_hf_prompt_lookup": (LOOKUP, HF_LOOKUP),
+             "tree_with_vs_alone": (EXPORTED_LOOKUP, LOOKUP)}
+    return {key: by_domain(inputs, "greedy", a, b) if a in greedy and b in greedy else None
+            for key, (a, b) in pairs.items()}
 
 
 def _targets(greedy: dict, summary: dict) -> dict:
@@ -262,6 +289,12 @@ def _ci(entry: dict | None) -> str:
     return f"{entry['ratio']:.2f}" + ("" if ci is None else f" [{ci[0]:.2f}, {ci[1]:.2f}]")
 
 
+def _by_domain(entries: dict) -> str:
+    """`1.10 [1.02, 1.19] (humaneval 1.25 [..], magpie ..)`: all prompts, then each domain."""
+    rest = ", ".join(f"{d} {_ci(e)}" for d, e in entries.items() if d != "all")
+    return f"{_ci(entries['all'])} ({rest})"
+
+
 def _speedup(m: dict) -> dict:
     return {"ratio": m["speedup_vs_ar"], "ci95": m["speedup_vs_ar_ci95"]}
 
@@ -276,6 +309,13 @@ def claims(metrics: dict) -> list[str]:
         lines.append(f"vs transformers ({s['hf_assisted_best']}, same draft as the sd row): "
                      f"exported policy {_ci(s['winner_vs_hf_assisted'])}, specstop sd "
                      f"{_ci(s['sd_vs_hf_assisted_same_draft'])}")
+    lookup = s.get("lookup") or {}
+    if lookup.get("tree_with_vs_without") is not None:
+        lines.append("prompt lookup: " + "; ".join(
+            f"{label} {_by_domain(lookup[key])}" for key, label in (
+                ("tree_with_vs_without", f"`{EXPORTED_LOOKUP}` vs `{EXPORTED}`"),
+                ("alone_vs_ar", f"`{LOOKUP}` vs `ar`"),
+                ("hf_prompt_lookup_vs_ar", f"`{HF_LOOKUP}` vs `ar`")) if lookup.get(key)))
     sampled = s.get("sampling") or {}
     if sampled.get("winner_vs_best_static") is not None:
         lines.append(f"sampling: exported policy vs the best static method sampled "
@@ -298,12 +338,14 @@ def markdown(metrics: dict) -> str:
             f"({setup['threads']} threads); sampling at T={setup['temperature']}; 95% paired "
             "bootstrap intervals over prompts.",
             "",
-            "| method | tok/s | vs `ar` (greedy) | accepted per target call | acceptance | "
-            "identical to `ar` | vs `ar` (sampling) |",
-            "|---|---|---|---|---|---|---|"]
+            "| method | tok/s | vs `ar` (greedy) | by domain | accepted per target call | "
+            "acceptance | identical to `ar` | vs `ar` (sampling) |",
+            "|---|---|---|---|---|---|---|---|"]
     for name, m in methods(metrics).items():
         sampled = _ci(_speedup(sampling[name])) if name in sampling else "-"
-        rows.append(f"| `{name}` | {m['tokens_per_s']:.2f} | {_ci(_speedup(m))} | "
+        domains = ", ".join(f"{d} {e['ratio']:.2f}"
+                            for d, e in m.get("speedup_vs_ar_by_domain", {}).items())
+        rows.append(f"| `{name}` | {m['tokens_per_s']:.2f} | {_ci(_speedup(m))} | {domains} | "
                     f"{m['mean_accepted']:.2f} | {m['acceptance_rate']:.3f} | "
                     f"{m['exact_match_vs_ar']:.0%} | {sampled} |")
     return "\n".join(rows + [""] + [f"- {line}" for line in claims(metrics)]) + "\n"

@@ -66,6 +66,18 @@ def test_bench_measures_every_method_side_by_side(tmp_path, tiny_model_dir, monk
     assert summary["winner"] == "tree+stop_model" and summary["prompts"] == 3
     assert summary["domains"] == ["chat", "code"]  # one from each source in turn
     assert summary["prompts_per_domain"] == {"chat": 1, "code": 2}
+    for name in METHODS:  # every method against ar on each domain's prompts too
+        assert set(metrics[name]["speedup_vs_ar_by_domain"]) == {"chat", "code"}, name
+    lookup = summary["lookup"]
+    for key in ("tree_with_vs_without", "alone_vs_ar", "hf_prompt_lookup_vs_ar",
+                "alone_vs_hf_prompt_lookup", "tree_with_vs_alone"):
+        assert set(lookup[key]) == {"all", "chat", "code"}, key
+        low, high = lookup[key]["all"]["ci95"]
+        assert low <= lookup[key]["all"]["ratio"] <= high, key
+    assert lookup["alone_vs_ar"]["all"]["ratio"] == pytest.approx(
+        metrics["lookup"]["speedup_vs_ar"])
+    assert lookup["alone_vs_ar"]["code"] == metrics["lookup"]["speedup_vs_ar_by_domain"]["code"]
+    assert lookup["tree_with_vs_without"]["chat"]["ci95"] is None  # one chat prompt
     assert summary["best_static"] in ("sd", "sd-compact", "mcsd", "ti-mcsd", "static-tree")
     for key in ("winner_vs_best_static", "winner_vs_ar", "winner_vs_hf_assisted",
                 "winner_vs_confidence_tree", "sd_vs_hf_assisted_same_draft", "aa_noise"):
