@@ -84,7 +84,8 @@ def _facts(summary: dict) -> dict:
 
 def _metrics(metrics: dict) -> dict:
     """Per method (greedy, and sampled under `sampling.`) its speedup over ar and tokens/s; per
-    summary ratio (the sampled ones under `summary.sampling.`) its value and 95% interval."""
+    summary ratio (the sampled ones under `summary.sampling.`, prompt lookup's under
+    `summary.lookup.<comparison>.<all | domain>`) its value and 95% interval."""
     out = {}
     for prefix, mode in (("", metrics), ("sampling.", metrics.get("sampling") or {})):
         for name, method in methods(mode).items():
@@ -93,7 +94,9 @@ def _metrics(metrics: dict) -> dict:
             out.update({_name(f"{prefix}{name}.{key}"): method[key]
                         for key in HEADLINE if method.get(key) is not None})
     summary = metrics.get("summary") or {}
-    blocks = (("summary.", summary), ("summary.sampling.", summary.get("sampling") or {}))
+    blocks = (("summary.", summary), ("summary.sampling.", summary.get("sampling") or {}),
+              *((f"summary.lookup.{key}.", entries)
+                for key, entries in (summary.get("lookup") or {}).items() if entries))
     for prefix, block in blocks:
         for key, entry in block.items():
             if _is_ratio(entry):

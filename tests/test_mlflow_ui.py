@@ -40,7 +40,10 @@ def bench_metrics() -> dict:
                         "winner_vs_hf_assisted": None,
                         "aa_noise": {"ratio": 1.0, "ci95": None},
                         "sampling": {"best_static": "sd", "winner_vs_best_static": RATIO,
-                                     "winner_vs_ar": None}},
+                                     "winner_vs_ar": None},
+                        "lookup": {"alone_vs_ar": {"all": RATIO,
+                                                   "chat": {"ratio": 0.9, "ci95": None}},
+                                   "tree_with_vs_without": None}},
             "targets": {"winner_faster_than_best_static": True}}
 
 
@@ -147,6 +150,9 @@ def test_a_bench_run_is_linked_to_the_registered_version(registered, tmp_path, c
     assert logged["sampling.sd.tokens_per_s"] == 25.0
     assert logged["summary.sampling.winner_vs_best_static.ratio"] == 1.2
     assert run.data.params["summary.sampling.best_static"] == "sd"
+    assert logged["summary.lookup.alone_vs_ar.all.ci95_hi"] == 1.3
+    assert logged["summary.lookup.alone_vs_ar.chat.ratio"] == 0.9
+    assert not any(k.startswith("summary.lookup") for k in run.data.params)
     assert not any(k.startswith("summary.sampling.winner_vs") for k in run.data.params)
     assert run.data.params["prompts"] == "8"
     assert run.data.params["peers.hf-assisted.num_assistant_tokens"] == "20"
