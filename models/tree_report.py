@@ -31,8 +31,32 @@ TARGETS = {"10pct_over_best_static": ("vs_best_static", 1.10),  # the issue's re
            "92pct_of_oracle": ("fraction_of_oracle", 0.92)}
 
 
+class Ranking:
+    """What both comparisons rank alike: the fastest static policy and the fastest family among
+    `tuned`, and the winner against the best static policy and the confidence tree."""
+
+    tuned: dict[str, Tuned]
+    families: tuple[str, ...]
+
+    @property
+    def best_static(self) -> str:
+        return fastest(self.tuned, [n for n in STATIC if n in self.tuned])
+
+    @property
+    def winner(self) -> str | None:
+        """The fastest family's dynamic tree."""
+        return fastest(self.tuned, self.families) if self.families else None
+
+    def winner_entry(self) -> dict:
+        """The winner's speed, over the best static policy's and the confidence tree's."""
+        speed = self.tuned[self.winner].result.speedup
+        return {"family": self.winner, "simulated_speedup": speed,
+                "vs_best_static": speed / self.tuned[self.best_static].result.speedup,
+                "vs_confidence_tree": speed / self.tuned[CONFIDENCE_TREE].result.speedup}
+
+
 @dataclass(frozen=True)
-class TreeComparison:
+class TreeComparison(Ranking):
     tuned: dict[str, Tuned]  # every policy by name (families by their family name)
     rules: dict[str, TreeRule]  # the dynamic policies' tuned rules
     oracle: TreeResult
@@ -56,19 +80,9 @@ class TreeComparison:
         return round_gate.choose(self.replay, p, self.rules[name], costs, self.gate,
                                  self.gate_features)
 
-    @property
-    def best_static(self) -> str:
-        return fastest(self.tuned, [n for n in STATIC if n in self.tuned])
-
-    @property
-    def winner(self) -> str | None:
-        """The fastest family's dynamic tree."""
-        return fastest(self.tuned, self.families) if self.families else None
-
     def metrics(self) -> dict:
         """metrics/train.json's `replay` section (CONTRACTS.md)."""
         static = self.tuned[self.best_static].result.speedup
-        confidence = self.tuned[CONFIDENCE_TREE].result.speedup
         out = {"best_static": {"method": self.best_static, "simulated_speedup": static},
                "oracle": self.oracle.as_dict(),
                "policies": {n: {**t.result.as_dict(), **t.setting,
@@ -77,9 +91,7 @@ class TreeComparison:
                             for n, t in self.tuned.items()}}
         if self.winner is not None:
             speed = self.tuned[self.winner].result.speedup
-            winner = {"family": self.winner, "simulated_speedup": speed,
-                      "vs_best_static": speed / static, "vs_confidence_tree": speed / confidence,
-                      "fraction_of_oracle": speed / self.oracle.speedup,
+            winner = {**self.winner_entry(), "fraction_of_oracle": speed / self.oracle.speedup,
                       **self.gates[self.winner].metrics()}
             out["winner"] = winner
             out["targets"] = {key: winner[name] >= bound
@@ -88,7 +100,7 @@ class TreeComparison:
 
 
 @dataclass(frozen=True)
-class SamplingComparison:
+class SamplingComparison(Ranking):
     """The tree policies on the sampled val rounds of one temperature, scored by exact expected
     tokens: the static shapes (every drafted node verified) and the sampling rule
     (`tree_rule.children`) with the draft's confidence and each family's p as survival."""
@@ -98,28 +110,17 @@ class SamplingComparison:
     rules: dict[str, TreeRule]  # the sampling rules, by policy name
     families: tuple[str, ...]
 
-    @property
-    def best_static(self) -> str:
-        return fastest(self.tuned, [n for n in STATIC if n in self.tuned])
-
-    @property
-    def winner(self) -> str | None:
-        return fastest(self.tuned, self.families) if self.families else None
-
     def metrics(self) -> dict:
         """metrics/train.json's `replay.sampling`."""
         static = self.tuned[self.best_static].result.speedup
-        confidence = self.tuned[CONFIDENCE_TREE].result.speedup
         out = {"temperature": self.temperature,
                "best_static": {"method": self.best_static, "simulated_speedup": static},
                "policies": {n: {**t.result.as_dict(), **t.setting,
                                 "vs_best_static": t.result.speedup / static}
                             for n, t in self.tuned.items()}}
         if self.winner is not None:
-            speed = self.tuned[self.winner].result.speedup
-            out["winner"] = {"family": self.winner, "simulated_speedup": speed,
-                             "vs_best_static": speed / static,
-                             "vs_confidence_tree": speed / confidence, "vs_ar": speed}
+            out["winner"] = {**self.winner_entry(),
+                             "vs_ar": self.tuned[self.winner].result.speedup}
         return out
 
 
