@@ -151,12 +151,14 @@ def _sampling_children(survival: np.ndarray, r: np.ndarray, group: np.ndarray,
     instead of nodes), and none unless that gain exceeds `expand` (what drafting a level costs,
     in tokens)."""
     width = len(r)
+    if len(survival) == 0:
+        return np.zeros(0, dtype=np.int64)
     value = (survival[:, None] * r[None, :]).ravel()  # [m * width]
     slot_group = np.repeat(group, width)
     rank = _rank_within(value, slot_group)
     order = np.lexsort((rank, slot_group))  # each group's slots, most valuable first
     g, k = slot_group[order], rank[order] + 1
-    first = np.flatnonzero(np.r_[True, g[1:] != g[:-1]]) if len(g) else np.zeros(0, np.int64)
+    first = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
     run = np.repeat(np.arange(len(first)), np.diff(np.r_[first, len(g)]))
     worth = np.cumsum(value[order])
     worth -= np.r_[0.0, worth][first][run]  # the k most valuable slots of the group
@@ -164,9 +166,9 @@ def _sampling_children(survival: np.ndarray, r: np.ndarray, group: np.ndarray,
     wider = nodes[g] + np.minimum(k, rule.max_width)  # the pass's tokens (k <= max_width)
     gain = np.where(k <= rule.max_width, worth - rule.rho * (cost[wider] - cost[nodes[g]]),
                     -np.inf)
-    best = np.maximum.reduceat(gain, first) if len(g) else gain
-    size = np.minimum.reduceat(np.where(gain == best[run], k, width + 1), first) \
-        if len(g) else k  # the fewest slots with the best gain
+    best = np.maximum.reduceat(gain, first)
+    size = np.minimum.reduceat(np.where(gain == best[run], k, width + 1), first)  # the fewest
+    # slots with the best gain
     size[best <= rule.expand] = 0
     keep = np.empty(len(value), dtype=bool)
     keep[order] = k <= size[run]
