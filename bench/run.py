@@ -37,8 +37,8 @@ from specstop.decoder.policy import ConfidenceThreshold, ConfidenceTree, FixedDe
 from specstop.decoder.runtime import Runtime, decode_config
 from specstop.decoder.stop_model import LearnedPolicy, load_stop_model
 from specstop.decoder.tree_rule import TreeRule
-from specstop.drafts.loading import (is_plain_draft, plain_assistant, plain_drafter, require_draft,
-                                     runtime_from, with_drafter)
+from specstop.drafts.loading import (is_plain_draft, plain_assistant, require_draft, runtime_from,
+                                     with_draft)
 from specstop.drafts.store import check_held_out
 from specstop.evaluation.side_by_side import Method, bench_methods, decoder_method
 from specstop.models.export import WINNER_FILE
@@ -242,8 +242,8 @@ def _peers(runtime: Runtime, plan: Plan, models: ModelsConfig) -> Peers | None:
     dynamic = dynamic_settings(assistant)
     if plan.peer_draft == models.draft:
         return Peers(runtime, assistant, dynamic, "sd")
-    drafter = plain_drafter(plan.peer_draft, runtime, models.target_cache)
-    return Peers(with_drafter(runtime, drafter), assistant, dynamic, SAME_DRAFT_SD)
+    return Peers(with_draft(plan.peer_draft, runtime, models.target_cache), assistant, dynamic,
+                 SAME_DRAFT_SD)
 
 
 def _base_config(config: BenchConfig, collect: CollectConfig, temperature: float) -> DecodeConfig:
@@ -301,7 +301,7 @@ def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan, peers: Peers | No
 def _latency(runtime: Runtime, plan: Plan, width: int) -> dict:
     """A draft step (1 and `width` tokens, median after a context of up to 200 tokens) beside
     the mean time per decision of each decision model the runs used."""
-    draft = measure_verify_costs(runtime.drafter.lm, "draft", [width],
+    draft = measure_verify_costs(runtime.draft, "draft", [width],
                                  context=min(200, runtime.context_limit // 2), repeats=10)
     policies = {name: p for name, p in {"stop_model": plan.winner, **plan.families}.items()
                 if p.calls}  # the ones the timed methods ran

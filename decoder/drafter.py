@@ -23,6 +23,7 @@ from .tree import Tree
 
 class Drafter(Protocol):
     target_layers: tuple[int, ...]  # the target's hidden-state layers it reads; () = none
+    lm: KVModel  # the draft model and its cache (`Runtime.draft`)
 
     def reset(self, prompt: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
         """Start a new sequence whose committed tokens so far are `prompt` [L] (the target's

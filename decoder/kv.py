@@ -165,7 +165,8 @@ def _buffer_like(states: torch.Tensor, capacity: int) -> torch.Tensor:
 
 
 class KVModel:
-    """Wraps a causal LM and one sequence's KV cache.
+    """Wraps a causal LM and one sequence's KV cache (or, for the draft corpus' batched
+    decoding, a batch of sequences: `extend_rows`, `keep_rows`).
 
     `extend` appends n tokens; the cache's first `length - tail` positions are visible to all of
     them, and `tail_allow` [n, tail] says which of the last `tail` positions (the tree part,
@@ -373,6 +374,31 @@ class KVModel:
         for layer in self.cache.layers:
             layer.retain(committed, nodes)
         self._follow_length()
+
+    @torch.inference_mode()
+    def extend_rows(
+        self,
+        ids: torch.Tensor,  # [B, n] long
+        positions: torch.Tensor,  # [B, n] long
+        attention_mask: torch.Tensor,  # [B, length + n] long: 0 at a row's left padding
+        last_only: bool = False,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Feed n tokens to each of B sequences cached as the rows of one batch (left-padded to
+        a common length; causal within); return their logits [B, n, V] ([B, 1, V] if
+        `last_only`) and every layer's hidden states [B, n, H] (transformers' tuple).  For a
+        full-vocabulary model, never captured; a single sequence's calls are `extend`'s."""
+        assert self.vocab_ids is None and self.captured is None, "a batch is a plain model's"
+        device = self.device
+        out = self.model(input_ids=ids.to(device), attention_mask=attention_mask.to(device),
+                         position_ids=positions.to(device), use_cache=True,
+                         output_hidden_states=True, logits_to_keep=1 if last_only else 0,
+                         **{self._cache_kw: self.cache})
+        return out.logits[..., : self.vocab_size], out.hidden_states
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Keep only the batch rows `keep` [k] long (on the cache's device) of every layer."""
+        for layer in self.cache.layers:
+            layer.select_rows(keep)
 
     def _follow_length(self) -> None:
         """Once captured, set the device cursor (where a captured call writes) to the length."""

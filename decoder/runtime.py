@@ -34,6 +34,11 @@ class Runtime:
     def eos_id(self) -> int | None:
         return self.tokenizer.eos_token_id
 
+    @property
+    def draft(self) -> KVModel | None:
+        """The draft model and its cache that the drafter runs (None: no drafter)."""
+        return None if self.drafter is None else self.drafter.lm
+
     def encode(self, prompt: str, chat: bool = True, special_tokens: bool = True) -> torch.Tensor:
         """Prompt text -> ids [L], through the chat template when `chat` and the tokenizer has
         one, else after the tokenizer's BOS (`with_bos`).

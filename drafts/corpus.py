@@ -1,7 +1,8 @@
 """Distillation data for a draft: the target's own responses and what it computed on them.
 
 The target answers the training prompts once per entry of `temperatures` (0 = greedy) in
-batched decoding written for this job (`_generate_batch`): the prompts of a batch are of
+batched decoding written for this job (`_generate_batch`, through the runtime's cache code:
+`KVModel.extend_rows` and `keep_rows`): the prompts of a batch are of
 similar length (sorted), a prompt is prefilled once for all its temperatures, each row has its
 own temperature, and a row leaves the batch (and its cache) when its response ends.  The
 forwards that generate a response also give the teacher's data, so there is no second pass:
@@ -20,11 +21,10 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers.cache_utils import Cache
 
 from specstop.common.files import remove_temp_files, resume_or_set_aside, write_atomic, write_json
 from specstop.common.params import CorpusConfig
-from specstop.decoder.kv import InPlaceLayer, cache_keyword
+from specstop.decoder.kv import KVModel
 
 HEAD_CHUNK = 256  # positions per output-layer call over a prompt: bounds the [n, V] logits
 TIMING = "timing.json"  # seconds and tokens per generated shard
@@ -88,14 +88,12 @@ def _generate_batch(model, rows: list[tuple[torch.Tensor, int, float]], config: 
     device = model.device
     generator = torch.Generator(device).manual_seed(seed)
     unique = {index: prompt for prompt, index, _ in rows}
-    capacity = max(p.shape[0] for p in unique.values()) + config.max_new_tokens
-    cache = Cache(layers=[InPlaceLayer(capacity) for _ in range(model.config.num_hidden_layers)])
-    cache_kw = cache_keyword(model)
-    mask, logits, prompt_records = _prefill(model, list(unique.values()), cache, cache_kw,
-                                            layers, config.top_k)
+    lm = KVModel(model)  # its cache holds the batch's rows
+    lm.reserve(max(p.shape[0] for p in unique.values()) + config.max_new_tokens)
+    mask, logits, prompt_records = _prefill(lm, list(unique.values()), layers, config.top_k)
     position = {index: k for k, index in enumerate(unique)}  # a prompt's row in the prefill
     of_row = torch.tensor([position[index] for _, index, _ in rows], device=device)
-    _select_rows(cache, of_row)
+    lm.keep_rows(of_row)
     mask, logits = mask[of_row], logits[of_row]
     records = [[prompt_records[i]] for i in of_row.tolist()]
     temperature = torch.tensor([t for _, _, t in rows], device=device)
@@ -107,13 +105,11 @@ def _generate_batch(model, rows: list[tuple[torch.Tensor, int, float]], config: 
         for row, t in zip(active.tolist(), token.tolist()):
             responses[row].append(t)
         mask = torch.cat([mask, mask.new_ones(active.numel(), 1)], dim=1)
-        out = model(input_ids=token[:, None], attention_mask=mask,
-                    position_ids=lengths[:, None], **{cache_kw: cache}, use_cache=True,
-                    output_hidden_states=True)
+        step_logits, hidden_states = lm.extend_rows(token[:, None], lengths[:, None], mask)
         lengths = lengths + 1
-        logits = out.logits[:, -1].float()
+        logits = step_logits[:, -1].float()
         top = _top_k(logits, config.top_k)
-        step_hidden = layer_states(out.hidden_states, layers)[:, -1]
+        step_hidden = layer_states(hidden_states, layers)[:, -1]
         for j, row in enumerate(active.tolist()):
             records[row].append((step_hidden[j:j + 1], top[0][j:j + 1], top[1][j:j + 1]))
         done = torch.tensor([responses[row][-1] == eos
@@ -121,32 +117,31 @@ def _generate_batch(model, rows: list[tuple[torch.Tensor, int, float]], config: 
                              for row in active.tolist()])
         if done.any():
             keep = (~done).nonzero().flatten().to(device)
-            _select_rows(cache, keep)
+            lm.keep_rows(keep)
             active, mask, lengths = active[~done], mask[keep], lengths[keep]
             logits, temperature = logits[keep], temperature[keep]
     return [_sequence(prompt, responses[i], records[i], index, t)
             for i, (prompt, index, t) in enumerate(rows)]
 
 
-def _prefill(model, prompts: list[torch.Tensor], cache: Cache, cache_kw: str,
-             layers: tuple[int, ...], top_k: int) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """One left-padded pass over `prompts` into `cache`: the attention mask [U, width], the
-    next-token logits [U, V] and each prompt's records (`position_records`)."""
-    device = model.device
+def _prefill(lm: KVModel, prompts: list[torch.Tensor], layers: tuple[int, ...],
+             top_k: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """One left-padded pass over `prompts` into `lm`'s cache (a row each): the attention mask
+    [U, width], the next-token logits [U, V] and each prompt's records (`position_records`)."""
     width = max(p.shape[0] for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, prompt in enumerate(prompts):  # left padding: every row's next token is last
         ids[i, width - prompt.shape[0]:] = prompt
         mask[i, width - prompt.shape[0]:] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_min(0),
-                **{cache_kw: cache}, use_cache=True, output_hidden_states=True, logits_to_keep=1)
-    hidden, last = layer_states(out.hidden_states, layers), out.hidden_states[-1]
-    head = model.get_output_embeddings()
+    ids, mask = ids.to(lm.device), mask.to(lm.device)
+    logits, hidden_states = lm.extend_rows(ids, (mask.cumsum(1) - 1).clamp_min(0), mask,
+                                           last_only=True)
+    hidden, last = layer_states(hidden_states, layers), hidden_states[-1]
+    head = lm.model.get_output_embeddings()
     records = [position_records(hidden[i, width - p.shape[0]:], last[i, width - p.shape[0]:],
                                head, top_k) for i, p in enumerate(prompts)]
-    return mask, out.logits[:, -1].float(), records
+    return mask, logits[:, -1].float(), records
 
 
 def layer_states(hidden_states: tuple[torch.Tensor, ...],
@@ -184,12 +179,6 @@ def _next_tokens(logits: torch.Tensor, temperature: torch.Tensor,
     race = torch.empty_like(probs).exponential_(generator=generator)
     greedy[warm] = (probs / race).argmax(-1)
     return greedy
-
-
-def _select_rows(cache: Cache, keep: torch.Tensor) -> None:
-    """Keep only the batch rows `keep` of every cache layer."""
-    for layer in cache.layers:
-        layer.select_rows(keep)
 
 
 def _sequence(prompt: torch.Tensor, response: list[int], records: list[tuple], index: int,

@@ -1,5 +1,8 @@
-"""Build a Runtime from names: the target (hub id, folder, GGUF, `embedded`), the draft (a
-folder `specstop draft` built, any LM with the same tokenizer, or `layers:N`) and a cost table."""
+"""The runtime's loading layer: `load_runtime` builds a Runtime from names, the target (hub id,
+folder, GGUF, `embedded`: `decoder.load.load_model`, the one entry point for a model), the draft
+(a folder `specstop draft` built, any LM with the same tokenizer, or `layers:N`) and a cost
+table; `runtime_from` is the same from params.yaml's sections.  `with_draft` swaps in another
+plain draft (bench's peers); `plain_assistant` is that draft as transformers' assistant."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from specstop.decoder.runtime import Runtime
 from .families import mask_vocabulary, prune_head, truncated_draft
 from .store import DRAFT_META_FILE, load_feature_head, read_meta
 
-LoadedDrafter = ModelDrafter | FeatureDrafter  # what the loaders build: each has its `lm`
+LoadedDrafter = ModelDrafter | FeatureDrafter  # what the loaders build
 
 
 def load_runtime(target: str, draft: str | None, dtype: str = "auto", device: str = "auto",
@@ -55,12 +58,12 @@ def load_runtime(target: str, draft: str | None, dtype: str = "auto", device: st
         if (table.model, table.dtype, table.device, table.kernel) != \
                 (target, str(dt).removeprefix("torch."), dev.type, target_lm.kernel):
             table = None  # measured for another model, dtype, device or kernel: not applicable
-    limit, limited_by = context_limit(loaded.model, drafter)
+    limit, limited_by = _context_limit(loaded.model, drafter)
     curve = None if table is None else table.curve
     return Runtime(target_lm, drafter, loaded.tokenizer, curve, limit, limited_by)
 
 
-def context_limit(target: torch.nn.Module, drafter: LoadedDrafter | None) -> tuple[int, str]:
+def _context_limit(target: torch.nn.Module, drafter: LoadedDrafter | None) -> tuple[int, str]:
     """The longest sequence both models take, and which sets it ('target' or 'draft'): the
     smaller `max_position_embeddings` of the target's and the draft's config (a `layers:N`
     draft has the target's, a feature head its own; none given: unlimited)."""
@@ -74,13 +77,6 @@ def context_limit(target: torch.nn.Module, drafter: LoadedDrafter | None) -> tup
 def _positions(model: torch.nn.Module) -> int:
     """A model's `max_position_embeddings` (unset: unlimited)."""
     return getattr(model.config, "max_position_embeddings", None) or 1 << 30
-
-
-def with_drafter(runtime: Runtime, drafter: LoadedDrafter) -> Runtime:
-    """`runtime` with another drafter, its context limit recomputed."""
-    limit, limited_by = context_limit(runtime.target.model, drafter)
-    return dataclasses.replace(runtime, drafter=drafter, context_limit=limit,
-                               limited_by=limited_by)
 
 
 def _layers(draft: str) -> int:
@@ -131,9 +127,9 @@ def _load_plain(draft: str, tokenizer, vocab: int, target_name: str, dtype: torc
     return other.model, ids
 
 
-def plain_drafter(draft: str, runtime: Runtime, cache_dir: Path) -> ModelDrafter:
-    """specstop's drafter for a plain draft (a model, a folder or `layers:N`) beside the
-    runtime's target, with its pruned head."""
+def with_draft(draft: str, runtime: Runtime, cache_dir: Path) -> Runtime:
+    """`runtime` with a plain draft (a model, a folder or `layers:N`) as its drafter instead,
+    its pruned head, run as the target is (kernel, capture), the context limit recomputed."""
     target = runtime.target
     vocab = target.model.config.vocab_size
     if draft.startswith(TRUNCATED_PREFIX):
@@ -145,12 +141,14 @@ def plain_drafter(draft: str, runtime: Runtime, cache_dir: Path) -> ModelDrafter
     pack_linears(drafter.lm.model, kernel_of(target.model))  # the target's kernel
     if target.captured is not None:  # and captured as the target is
         drafter.lm.capture()
-    return drafter
+    limit, limited_by = _context_limit(target.model, drafter)
+    return dataclasses.replace(runtime, drafter=drafter, context_limit=limit,
+                               limited_by=limited_by)
 
 
 def plain_assistant(draft: str, runtime: Runtime, cache_dir: Path) -> torch.nn.Module:
     """The same plain draft as a causal LM for transformers, with the same distribution as
-    `plain_drafter`'s: full-vocabulary logits, -inf outside its pruned vocabulary."""
+    `with_draft`'s drafter: full-vocabulary logits, -inf outside its pruned vocabulary."""
     target = runtime.target
     if draft.startswith(TRUNCATED_PREFIX):
         model = truncated_draft(target.model, _layers(draft))

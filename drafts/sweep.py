@@ -248,7 +248,7 @@ def _measure(spec: DraftSpec, folder: Path, cfg: DraftConfig, models: ModelsConf
                            models.target_cache, cpu_kernel=models.cpu_kernel,
                            compile=models.compile)
     target_costs = measure_verify_costs(runtime.target, "target", [], repeats=10)
-    draft_costs = measure_verify_costs(runtime.drafter.lm, "draft", [], repeats=10)
+    draft_costs = measure_verify_costs(runtime.draft, "draft", [], repeats=10)
     c = draft_costs.seconds[1] / target_costs.seconds[1]
     verify = (VerifyCosts.load(cfg.verify_costs).curve if cfg.verify_costs.is_file()
               else None)

@@ -70,7 +70,7 @@ def main() -> None:
     runtime = load_runtime(args.target, args.draft, args.dtype, "cpu", costs=args.costs,
                            **kwargs)
     clocks = {"target": ForwardClock(runtime.target.model),
-              "draft": ForwardClock(runtime.drafter.lm.model)}
+              "draft": ForwardClock(runtime.draft.model)}
     problems = list(read_problems().values())[: args.prompts]
     totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for problem in [None] + problems:  # the first: a warm-up, not counted

@@ -122,7 +122,7 @@ def test_the_compile_setting_captures_both_models(tiny_model_dir, setting: str,
     kernel a cost table must match says so."""
     runtime = load_runtime(str(tiny_model_dir), "layers:1", "float32", "cpu", cpu_kernel="aten",
                            compile=setting)
-    for lm in (runtime.target, runtime.drafter.lm):
+    for lm in (runtime.target, runtime.draft):
         assert (lm.captured is not None) == captured
         assert lm.kernel == ("aten+compiled" if captured else "aten")
 

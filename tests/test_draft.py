@@ -17,7 +17,7 @@ from specstop.decoder.drafter import FeatureDrafter, ModelDrafter
 from specstop.common.errors import SpecstopError
 from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, generate
-from specstop.drafts.loading import load_runtime, plain_assistant, plain_drafter
+from specstop.drafts.loading import load_runtime, plain_assistant, with_draft
 from specstop.drafts.corpus import Sequence, token_counts
 from specstop.common.params import DraftSpec, DraftTrainConfig
 from specstop.drafts.distill import (DraftDistiller, EpochBatches, collate, fit, read_curve,
@@ -136,7 +136,7 @@ def test_saved_drafts_load_through_the_runtime(tiny_model_dir: Path, tmp_path: P
         save_draft(folder, draft, family, model, vocab_ids, {"name": name}, tokenizer=tokenizer)
         assert read_meta(folder)["family"] == family
         loaded = load_runtime(str(tiny_model_dir), str(folder), "float32", "cpu")
-        assert loaded.drafter.lm.vocab_ids.tolist() == vocab_ids.tolist()
+        assert loaded.draft.vocab_ids.tolist() == vocab_ids.tolist()
         assert loaded.drafter.target_layers == getattr(draft, "target_layers", ())
         config = DecodeConfig(method="sd", max_depth=3, max_new_tokens=12)
         out = loaded.generate(prompt, config)
@@ -160,13 +160,13 @@ def test_the_masked_assistant_has_the_compact_drafts_distribution(tiny_model_dir
     with torch.no_grad():  # a head that is not the target's rows, as after distillation
         draft.lm_head.weight.mul_(3.0).add_(0.01)
     save_draft(tmp_path / "compact", draft, "compact", model, vocab_ids, {}, tokenizer=tokenizer)
-    drafter = plain_drafter(str(tmp_path / "compact"), runtime, tmp_path)
+    peer = with_draft(str(tmp_path / "compact"), runtime, tmp_path)
     assistant = plain_assistant(str(tmp_path / "compact"), runtime, tmp_path)
     ids = runtime.encode("def add(a, b):")
     with torch.no_grad():
         hf = torch.softmax(assistant(input_ids=ids[None]).logits[0], dim=-1)
-        drafter.lm.reset()
-        ours = torch.softmax(drafter.lm.extend(ids, torch.arange(ids.shape[0]), None), dim=-1)
+        peer.draft.reset()
+        ours = torch.softmax(peer.draft.extend(ids, torch.arange(ids.shape[0]), None), dim=-1)
     outside = torch.ones(model.config.vocab_size, dtype=torch.bool)
     outside[vocab_ids] = False
     assert hf.shape == ours.shape == (ids.shape[0], model.config.vocab_size)

@@ -64,7 +64,7 @@ def test_truncated_draft_loads_and_is_lossless(embedded_dir):
     ar = rt.generate(prompt, DecodeConfig(method="ar", max_new_tokens=10)).tokens
     assert rt.generate(prompt, DecodeConfig(method="sd", max_new_tokens=10, max_depth=3)).tokens \
         == ar
-    assert torch.equal(rt.drafter.lm.model.model.embed_tokens.weight,
+    assert torch.equal(rt.draft.model.model.embed_tokens.weight,
                        rt.target.model.model.embed_tokens.weight)
 
 
