@@ -23,7 +23,7 @@ from specstop.common.errors import SpecstopError
 from specstop.common.files import write_atomic, write_json
 from specstop.evaluation.intervals import Ratio, speed_ratio
 from specstop.evaluation.side_by_side import MethodResult
-from specstop.models.plots import plt, write_csv
+from specstop.evaluation.plots import plt, write_csv
 
 AR, AA, SD, EXPORTED = "ar", "ar-aa", "sd", "tree+stop_model"
 LOOKUP, EXPORTED_LOOKUP, HF_LOOKUP = "lookup", "tree+stop_model+lookup", "hf-prompt-lookup"

@@ -16,7 +16,7 @@ features; its `tree_rule` (`tree_rule.py`) turns the products of p-hat along eac
 which nodes to expand and which to verify.
 
 The rules' arithmetic is written once, below, on arrays of either kind (torch here, NumPy in
-the replay, `specstop.models.rules`), so what the replay tunes is what the runtime applies.
+the replay, `specstop.replay.rules`), so what the replay tunes is what the runtime applies.
 """
 
 from __future__ import annotations

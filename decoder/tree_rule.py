@@ -38,7 +38,7 @@ candidates tested are then a filtered sample of q and the residual is taken agai
 
 Fixed shapes, the draft's confidence and a learned model are instances: they differ only in
 where s comes from.  The arithmetic is NumPy on one round; the decode loop and the replay
-(`specstop.models.tree_replay`) call the same functions, so what the replay tunes is what runs.
+(`specstop.replay.tree_replay`) call the same functions, so what the replay tunes is what runs.
 """
 
 from __future__ import annotations

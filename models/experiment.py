@@ -22,18 +22,21 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from specstop.collection import data
 from specstop.common import tracking
 from specstop.common.errors import SpecstopError
 from specstop.common.files import write_json
 from specstop.common.params import StopTrainConfig, TrackingStore
 from specstop.decoder.costs import CostModel
 from specstop.decoder.policy import confidence_score, continues, entropy_score
+from specstop.evaluation import plots
 from specstop.features import FEATURE_GROUPS, feature_index
+from specstop.replay import rules
+from specstop.replay.simulate import Replay, SimResult
 
-from . import data, evaluate, plots, rules, tree_report
+from . import evaluate, tree_report
 from .families import FITTERS, StopModel, search_space
 from .fit_data import FitData, fit_data
-from .simulate import Replay, SimResult
 
 log = logging.getLogger(__name__)
 

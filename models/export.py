@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from specstop.collection import data
 from specstop.common import tracking
 from specstop.common.errors import DataError, SpecstopError
 from specstop.common.files import read_json, write_atomic, write_json
@@ -33,7 +34,7 @@ from specstop.decoder.policy import confidence_score
 from specstop.decoder.stop_model import LearnedPolicy, read_stop_model
 from specstop.features import feature_index
 
-from . import data, evaluate, scripted, tree_report
+from . import evaluate, scripted, tree_report
 
 
 WINNER_FILE = "stop_model.pt"

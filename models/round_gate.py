@@ -20,8 +20,8 @@ from sklearn.linear_model import LogisticRegression
 from specstop.decoder.round_gate import GATE_FEATURES, RoundGate
 from specstop.decoder.tree_rule import TreeRule
 
-from .data import ROUND_KEYS
-from .tree_replay import TreeCosts, TreeReplay, TreeResult
+from specstop.collection.data import ROUND_KEYS
+from specstop.replay.tree_replay import TreeCosts, TreeReplay, TreeResult
 
 QUANTILES = tuple(np.round(np.arange(0.05, 0.65, 0.05), 2))  # shares of rounds gated off
 

@@ -2,7 +2,7 @@
 
 Static shapes (chains, `ti-mcsd`-like, the grid), Sequoia's tree, the EAGLE-2-style dynamic
 tree (the draft's own confidence as survival) and each family's dynamic tree, under one cost
-model and the oracle (`models.tree_replay`).  "Best static" is the fastest static entry.  Each
+model and the oracle (`replay.tree_replay`).  "Best static" is the fastest static entry.  Each
 family's tree also gets its round gate, or `ar` where nothing drafting beats it
 (`models.round_gate`): the winner is reported against `ar` (speedup 1).
 """
@@ -20,9 +20,11 @@ from specstop.decoder.costs import CostModel
 from specstop.decoder.round_gate import RoundGate
 from specstop.decoder.tree_rule import TreeRule
 
-from . import plots, round_gate
-from .tree_replay import (WIDTH_GRID, TreeCosts, TreeReplay, TreeResult, Tuned, best_static,
-                          sequoia, tune_dynamic, tune_sampling)
+from specstop.evaluation import plots
+from specstop.replay.tree_replay import (WIDTH_GRID, TreeCosts, TreeReplay, TreeResult, Tuned,
+                                         best_static, sequoia, tune_dynamic, tune_sampling)
+
+from . import round_gate
 
 STATIC = ("static_chain", "static_ti_mcsd", "static_tree", "sequoia")
 CONFIDENCE_TREE = "confidence_tree"

@@ -1,6 +1,6 @@
-"""Stage `collect`: the decision models' logged rounds and cost model (`specstop.models.collection`),
-one process or several under `torchrun`; one run at a time per output folder (rank 0 holds its
-lock: a second run, or a second torchrun, fails at once)."""
+"""Stage `collect`: the decision models' logged rounds and cost model
+(`specstop.collection.collection`), one process or several under `torchrun`; one run at a time
+per output folder (rank 0 holds its lock: a second run, or a second torchrun, fails at once)."""
 
 from contextlib import nullcontext
 
@@ -9,7 +9,7 @@ from specstop.common.params import Params
 from specstop.decoder.runtime import decode_config
 from specstop.drafts.loading import load_runtime, require_draft
 from specstop.drafts.store import check_held_out
-from specstop.models import collection
+from specstop.collection import collection
 
 
 def run(params: Params) -> dict | None:

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from specstop.features import FEATURES
-from specstop.models.rows import ROW_SCHEMA, write_part, write_schema
+from specstop.collection.rows import ROW_SCHEMA, write_part, write_schema
 
 COSTS = {"tree_sizes": None, "threads": 1,
          "target": {"seconds": None}, "draft": {"seconds": {"1": 0.002, "3": 0.0021}},

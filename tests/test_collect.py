@@ -21,8 +21,8 @@ from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, generate
 from specstop.decoder.policy import FixedDepth
 from specstop.common.errors import DataError
-from specstop.models import data
-from specstop.models.rows import RoundLogger, read_part, read_parts, write_part
+from specstop.collection import data
+from specstop.collection.rows import RoundLogger, read_part, read_parts, write_part
 from specstop.common.errors import SpecstopError
 from specstop.common.params import validate
 from specstop.pipeline import collect

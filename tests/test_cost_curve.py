@@ -13,7 +13,7 @@ from specstop.decoder.loop import score
 from specstop.decoder.sampling import Sampling
 from specstop.decoder.tree import Tree
 from specstop.decoder.tree_rule import TreeRule
-from specstop.models.tree_replay import TreeCosts
+from specstop.replay.tree_replay import TreeCosts
 
 MEASURED = CostCurve({1: 0.0628, 2: 0.0624, 3: 0.0636, 4: 0.0639, 5: 0.0675, 6: 0.0680,
                       8: 0.0694, 12: 0.0746, 16: 0.0846, 24: 0.0919, 32: 0.0974})

@@ -20,9 +20,10 @@ from specstop.decoder.policy import ConfidenceThreshold, FixedDepth, decoding_ru
 from specstop.decoder.stop_model import LearnedPolicy, load_stop_model, read_stop_model
 from specstop.decoder.tree_rule import TreeRule
 from specstop.features import FEATURES, SCHEMA_VERSION, feature_index
-from specstop.models import experiment, rules, scripted
+from specstop.models import experiment, scripted
 from specstop.models.export import export
-from specstop.models.simulate import Replay
+from specstop.replay import rules
+from specstop.replay.simulate import Replay
 
 from stop_models import linear_module, metadata, write_stop_model
 from synthetic_rows import make_collect
@@ -217,7 +218,7 @@ COSTS = CostModel((1, 4, 7, 10, 13),
 
 
 def replay_cut(rule: str, replay: Replay, p: np.ndarray, parameter: float) -> np.ndarray:
-    """[R] the depth each round is cut at by models.rules' replay of `rule`."""
+    """[R] the depth each round is cut at by replay.rules' replay of `rule`."""
     if rule == "fixed":
         return replay.fixed(int(parameter))
     if rule == "cost_aware":
@@ -243,7 +244,7 @@ def runtime_policy(rule: str, parameter: float):
 def test_every_runtime_rule_cuts_rounds_as_the_replay(rule, parameter):
     """Each stopping rule the runtime applies (decode loop: after level d, draft d + 1 while any
     node of level d says go on), fed level by level with parents as the loop passes them, cuts
-    every logged round at the depth models.rules' replay gives it."""
+    every logged round at the depth replay.rules' replay gives it."""
     frame, q = ti_mcsd_rounds()
     replay = Replay.from_rows(frame, "hard")
     expected = replay_cut(rule, replay, frame["p"].to_numpy(), parameter)

@@ -28,7 +28,7 @@ import yaml
 
 from specstop.common.files import folder_lock
 from specstop.features import FEATURES
-from specstop.models import collection
+from specstop.collection import collection
 from specstop.pipeline import cli
 from specstop.pipeline.cli import STAGES, main
 

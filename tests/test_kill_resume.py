@@ -23,7 +23,7 @@ import yaml
 from safetensors.torch import load_file
 
 from specstop.drafts.store import DRAFT_META_FILE, HEAD_WEIGHTS, read_meta
-from specstop.models.rows import read_parts
+from specstop.collection.rows import read_parts
 from specstop.drafts.distill import EpochBatches, ResumableLoader, read_curve
 
 from conftest import write_chat_prompts

@@ -15,7 +15,8 @@ from specstop.common import tracking
 from specstop.common.errors import SpecstopError
 from specstop.common.params import ExportConfig, validate
 from specstop.decoder.stop_model import read_stop_model
-from specstop.models import data, experiment
+from specstop.collection import data
+from specstop.models import experiment
 from specstop.models.export import export
 from specstop.pipeline import bench as bench_stage
 

@@ -19,7 +19,7 @@ from specstop.decoder.round_gate import GATE_FEATURES, RoundGate
 from specstop.decoder.stop_model import load_stop_model
 from specstop.features import RoundContext
 from specstop.models import round_gate
-from specstop.models.tree_replay import TreeCosts, TreeReplay
+from specstop.replay.tree_replay import TreeCosts, TreeReplay
 
 from stop_models import write_stop_model
 from test_dynamic_tree import models  # noqa: F401  (the tiny models fixture)

@@ -10,9 +10,10 @@ import pandas as pd
 import pytest
 
 from specstop.common.errors import DataError
-from specstop.models import data, rules
+from specstop.collection import data
+from specstop.replay import rules
 from specstop.decoder.costs import CostCurve, CostModel
-from specstop.models.simulate import Replay
+from specstop.replay.simulate import Replay
 
 from synthetic_rows import make_collect
 

@@ -15,8 +15,9 @@ from specstop.common.errors import SpecstopError
 from specstop.common.params import Params, validate
 from specstop.common.errors import DataError
 from specstop.features import FEATURE_GROUPS, SCHEMA_VERSION, feature_index
-from specstop.models.rows import ROW_SCHEMA, read_parts, write_part
-from specstop.models import data, experiment
+from specstop.collection.rows import ROW_SCHEMA, read_parts, write_part
+from specstop.collection import data
+from specstop.models import experiment
 from specstop.models.anchor import fit_anchor, Anchor
 from specstop.models.fit_data import fit_data
 from specstop.models.mlp import StopNet

@@ -10,7 +10,7 @@ import pytest
 
 from specstop.decoder.tree import Tree
 from specstop.decoder.tree_rule import TreeRule, children, feed, verify_set
-from specstop.models.tree_replay import (TreeCosts, TreeReplay, best_static, sequoia, shape_nodes,
+from specstop.replay.tree_replay import (TreeCosts, TreeReplay, best_static, sequoia, shape_nodes,
                                          tune_dynamic)
 
 BRANCHING = (3, 2, 2, 1)

@@ -30,7 +30,7 @@ the draft's k' draws are its k draws).  Policies:
 - `ar`: every round gated off (`gated`: the root alone, one one-token pass), speedup exactly 1;
   a round gate (`models.round_gate`) gates some rounds off before a dynamic tree drafts.
 
-Rounds are replayed as independent samples, as in `models.simulate`; context features (accepted
+Rounds are replayed as independent samples, as in `replay.simulate`; context features (accepted
 history) were logged under the superset policy, not the replayed one.
 """
 
@@ -45,7 +45,7 @@ from specstop.decoder.costs import CostModel
 from specstop.decoder.tree import Tree
 from specstop.decoder.tree_rule import TreeRule, children
 
-from .data import ROUND_KEYS
+from specstop.collection.data import ROUND_KEYS
 from .simulate import parent_rows, path_product
 
 EXPAND_GRID = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9)

@@ -29,7 +29,7 @@ import pandas as pd
 
 from specstop.decoder.costs import CostModel
 
-from .data import ROUND_KEYS
+from specstop.collection.data import ROUND_KEYS
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Replay:
 
     @classmethod
     def from_rows(cls, rows: pd.DataFrame, label: str) -> "Replay":
-        """`rows` ordered by (prompt, round, node), as `models.data.Split.rows`."""
+        """`rows` ordered by (prompt, round, node), as `collection.data.Split.rows`."""
         round_index = rows.groupby(ROUND_KEYS, sort=False).ngroup().to_numpy()
         level = rows["depth"].to_numpy().astype(np.int64)
         parent_row = parent_rows(round_index, rows["node"].to_numpy(), rows["parent"].to_numpy())
