@@ -118,8 +118,7 @@ def collect(runtime: Runtime, parts: list[Part], config: DecodeConfig, collect: 
     if rank == 0:
         threads = torch.get_num_threads()
         torch.set_num_threads(_all_cores())  # costs as one decoding process sees them
-        drafter = runtime.drafter.lm if runtime.drafter is not None else None
-        table = measure_costs(runtime.target, drafter, tree_for(config),
+        table = measure_costs(runtime.target, runtime.draft, tree_for(config),
                               verify_widths=verify_widths, step_widths=DYNAMIC_STEP_WIDTHS)
         torch.set_num_threads(threads)
         write_json(out / "costs.json", table)
