@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Proposal:
     """A tree to verify: the roots and every level drafted below them, in tree (level-major)
     order."""
@@ -28,7 +28,6 @@ class Proposal:
     # it was not fed
     steps: int  # draft steps taken
     drafted: int  # tokens drafted (the tree's below the roots, or more when some were dropped)
-    decision_seconds: float  # wall time of the policy's decisions
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,9 @@ def propose_tree(
     sampling: Sampling,
     without_replacement: bool,
     generator: torch.Generator | None,
-) -> tuple[Tree, Proposal]:
+) -> tuple[Tree, Proposal, float]:
     """Draft S below `root` level by level while some candidate is given `children`, then cut
-    it to V with `verify_set`; returns V and its Proposal."""
+    it to V with `verify_set`; returns V, its Proposal and the wall time of the decisions."""
     rule = decoding_rule(policy, sampling.greedy)
     levels = min(levels, rule.max_depth)
     drafted, frontier, decision = DraftedTree(root), np.zeros(1, dtype=np.int64), 0.0
@@ -77,7 +77,7 @@ def propose_tree(
     start = time.perf_counter()
     keep = verify_set(*drafted.candidates(), rule)
     decision += time.perf_counter() - start
-    return drafted.verify_proposal(keep, root_position, decision)
+    return (*drafted.verify_proposal(keep, root_position), decision)
 
 
 def _kept(slots: np.ndarray, drafted: int, device: torch.device) -> torch.Tensor | None:
@@ -139,8 +139,7 @@ class DraftedTree:
         previous_sibling = np.where(self.rank[1:] > 0, index - 1, -1)
         return self.survival[1:], self.parent[1:] - 1, previous_sibling
 
-    def verify_proposal(self, keep: np.ndarray, root_position: int,
-                        decision_seconds: float) -> tuple[Tree, Proposal]:
+    def verify_proposal(self, keep: np.ndarray, root_position: int) -> tuple[Tree, Proposal]:
         """V (the root and the candidates `keep` [n - 1] bool) and its Proposal: q rows of V's
         fed nodes (zero rows for the others), the kept candidates' features by level."""
         nodes = np.concatenate([[0], 1 + np.flatnonzero(keep)])  # V's nodes in S
@@ -155,6 +154,7 @@ class DraftedTree:
         q = torch.cat([*self.q, self.q[0].new_zeros(1, self.q[0].shape[1])])[q_rows_t]
         level_sizes = np.diff(tree.level_start[1:]).tolist()
         features = torch.cat(self.features)[nodes_t[1:] - 1].split(level_sizes)
-        return tree, Proposal(self.tokens[nodes_t], tree.max_depth, root_position, q,
-                              tuple(features), torch.from_numpy(fed), len(self.q),
-                              len(self.parent) - 1, decision_seconds)
+        return tree, Proposal(tokens=self.tokens[nodes_t], depth=tree.max_depth,
+                              root_position=root_position, q=q, features=tuple(features),
+                              fed=torch.from_numpy(fed), steps=len(self.q),
+                              drafted=len(self.parent) - 1)

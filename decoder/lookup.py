@@ -68,8 +68,8 @@ def lookup_proposal(
     depth = chain.shape[0]
     q = r.new_zeros(depth, r.shape[0]).scatter_(1, chain[:, None], 1.0)
     tokens = torch.cat([roots, chain])
-    return Proposal(tokens, depth, root_position, q, (), torch.full((1 + depth,), -1), depth,
-                    depth, 0.0)
+    return Proposal(tokens=tokens, depth=depth, root_position=root_position, q=q, features=(),
+                    fed=torch.full((1 + depth,), -1), steps=depth, drafted=depth)
 
 
 def with_lookup_branch(
@@ -103,6 +103,6 @@ def with_lookup_branch(
     fed = torch.cat([proposal.fed, torch.full((c,), -1)])[order_t]
     order_t = order_t.to(tokens.device)
     q = q[order_t[: merged.size(merged.max_depth - 1)]]
-    return merged, Proposal(torch.cat([tokens, chain_t])[order_t], merged.max_depth,
-                            proposal.root_position, q, (), fed, proposal.steps, proposal.drafted,
-                            proposal.decision_seconds)
+    return merged, Proposal(tokens=torch.cat([tokens, chain_t])[order_t],
+                            depth=merged.max_depth, root_position=proposal.root_position, q=q,
+                            features=(), fed=fed, steps=proposal.steps, drafted=proposal.drafted)

@@ -16,7 +16,8 @@ from .costs import CostCurve
 from .drafter import Drafter
 from .kv import KVModel
 from .load import chat_text, with_bos
-from .loop import DRAFTLESS, DecodeConfig, Generation, generate
+from .loop import DecodeConfig, Generation, generate
+from .methods import round_method
 from .policy import StoppingPolicy, TreePolicy
 from .sampling import Sampling
 
@@ -68,7 +69,7 @@ class Runtime:
                  policy: StoppingPolicy | TreePolicy | None = None, seed: int = 0,
                  **kwargs) -> Generation:
         self.check_fits(prompt, config)
-        drafts = config.method not in DRAFTLESS
+        drafts = round_method(config.method).drafts
         if drafts and self.drafter is None:
             raise SpecstopError(f"method '{config.method}' needs a draft model")
         generator = torch.Generator(device=self.target.device).manual_seed(seed)

@@ -116,7 +116,7 @@ def _quiet_transformers() -> None:
 
 
 def _generate(args: argparse.Namespace, params: Params) -> None:
-    from specstop.decoder.loop import DRAFTLESS
+    from specstop.decoder.methods import round_method
     from specstop.decoder.runtime import decode_config
     from specstop.decoder.stop_model import LearnedPolicy
     from specstop.drafts.loading import runtime_from
@@ -126,7 +126,8 @@ def _generate(args: argparse.Namespace, params: Params) -> None:
     decode = params.decode
     config = decode_config(decode, decode.method)
     policy = stopping_policy(decode)
-    runtime = runtime_from(params.models, params.costs, need_draft=decode.method not in DRAFTLESS)
+    runtime = runtime_from(params.models, params.costs,
+                           need_draft=round_method(decode.method).drafts)
     prompt = runtime.encode(args.prompt, chat=not args.no_chat)
     generation = runtime.generate(prompt, config, policy, decode.seed)
     print(runtime.tokenizer.decode(generation.tokens, skip_special_tokens=True))

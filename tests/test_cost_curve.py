@@ -70,7 +70,7 @@ def runtime_width(curve: CostCurve, n: int) -> int:
     tree = Tree(1, (1,) * (n - 1))
     proposal = Proposal(tokens=torch.zeros(n, dtype=torch.long), depth=n - 1, root_position=3,
                         q=torch.zeros(max(n - 1, 1), 5), features=(),
-                        fed=torch.arange(n), steps=n - 1, drafted=n - 1, decision_seconds=0.0)
+                        fed=torch.arange(n), steps=n - 1, drafted=n - 1)
     probe = WidthProbe()
     score(probe, tree, proposal, Sampling(0.0, 1.0), curve, ())
     (width,) = probe.widths

@@ -112,8 +112,9 @@ def branch_of(chain_source: list[int], levels: int = 3) -> tuple[Tree, Proposal]
     before the root and holds `chain_source` after an earlier 10."""
     tree = Tree.from_parents([-1, 0, 0, 1, 2])
     q = torch.softmax(torch.randn(3, 30, generator=torch.Generator().manual_seed(0)), dim=1)
-    proposal = Proposal(torch.tensor([10, 11, 12, 13, 14]), 2, 7, q, (),
-                        torch.tensor([0, 1, 2, -1, -1]), 2, 4, 0.0)
+    proposal = Proposal(tokens=torch.tensor([10, 11, 12, 13, 14]), depth=2, root_position=7,
+                        q=q, features=(), fed=torch.tensor([0, 1, 2, -1, -1]), steps=2,
+                        drafted=4)
     lookup = Lookup([10, *chain_source, 5])
     return with_lookup_branch(tree, proposal, lookup, levels)
 

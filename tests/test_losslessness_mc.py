@@ -32,7 +32,8 @@ from scipy.stats import chi2
 from specstop.decoder.costs import CostCurve
 from specstop.decoder.drafter import ModelDrafter, draft_children
 import specstop.decoder.verify as verify
-from specstop.decoder.loop import DRAFTLESS, DecodeConfig, generate
+from specstop.decoder.loop import DecodeConfig, generate
+from specstop.decoder.methods import round_method
 from specstop.decoder.policy import ConfidenceTree, TreePolicy
 from specstop.decoder.sampling import Sampling, warp
 from specstop.decoder.tree_rule import TreeRule
@@ -140,7 +141,7 @@ def decode_chunk(run: Run, chunk: int, n_chunks: int) -> np.ndarray:
     torch.set_num_threads(1)
     target, draft = run.tables()
     lm = TableLM(target)
-    drafter = None if run.config.method in DRAFTLESS else ModelDrafter(TableLM(draft))
+    drafter = ModelDrafter(TableLM(draft)) if round_method(run.config.method).drafts else None
     generator = torch.Generator().manual_seed(1000 * run.seed + chunk)
     prompt = torch.tensor([BOS])
     rows, transitions = [], 0
@@ -378,7 +379,7 @@ def test_greedy_equals_target_argmax_chain(method: str) -> None:
                      max_depth=3, sampling=Sampling())
     for seed in range(5):
         target, draft = bigram_tables(seed)
-        drafter = None if config.method in DRAFTLESS else ModelDrafter(TableLM(draft))
+        drafter = ModelDrafter(TableLM(draft)) if round_method(config.method).drafts else None
         tokens = generate(TableLM(target), drafter, torch.tensor([BOS]), config,
                           POLICIES.get(method)).tokens
         assert tokens == greedy_chain(target, BOS, 30), (method, seed)

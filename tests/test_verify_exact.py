@@ -620,7 +620,7 @@ def dynamic_joint(scripted: ScriptedUniform, children: ScriptedChildren,
     sampling = Sampling(temperature=1.0)
     context = RoundContext(0, 0, 0.0, 0.0, root_statistics(p[root]))
     joint, shapes = torch.zeros(v, v + 1, dtype=torch.float64), set()
-    for prob, (tree, proposal) in drafted_trees(children, lambda: propose_tree(
+    for prob, (tree, proposal, _) in drafted_trees(children, lambda: propose_tree(
             BigramDraft(q), policy, torch.tensor([root]), p[root].float(), 0, 2, context,
             sampling, children.wor, None)):
         ids = proposal.tokens

@@ -1,0 +1,289 @@
+"""The round methods `ar`, `sd`, `mcsd`, `ti-mcsd`, `tree` and `lookup`: `DecodeConfig` names one,
+and `round_method` picks, once, the `RoundMethod` that holds what differs between them, so the
+loop (`loop.py`) compares no method names:
+
+- its largest static tree (`tree_shape`; `ar` and `tree` the root alone, `tree` building its
+  trees per round);
+- what it runs on: a draft model (`drafts`), draft features every round whatever the policy reads
+  (`reads_features`), the text's n-grams (`looks_up`);
+- the policy it takes, its round gate and its depth cap (`depth_cap`: the deepest level a round
+  proposes below its roots, before the budget);
+- how a round proposes (`propose`): the root alone (`ar`, a round the gate keeps from drafting),
+  the static tree level by level while the stopping policy goes on, the dynamic tree
+  (`dynamic.propose_tree`), the chain a look-up finds (`lookup.lookup_proposal`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from specstop.common.params import METHODS
+from specstop.features import RoundContext, draft_features, feature_index
+
+from .contracts import Proposal
+from .drafter import Drafter, draft_children
+from .dynamic import propose_tree
+from .lookup import Lookup, lookup_proposal
+from .policy import FixedDepth, StoppingPolicy, TreePolicy
+from .round_gate import RoundGate
+from .sampling import Sampling, warp
+from .tree import Tree
+
+MAX_DEPTH = 64
+MAX_TREE_NODES = 4096
+PATH_CONFIDENCE = feature_index("path_confidence")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    method: str = "sd"
+    max_new_tokens: int = 128
+    sampling: Sampling = Sampling()
+    max_depth: int = 8  # deepest tree level the mask is built for
+    mcsd_branching: tuple[int, ...] = (2, 2)  # leading widths of the mcsd tree, then 1s
+    ti_width: int = 3  # branches of ti-mcsd
+    lossy: bool = False  # ti-mcsd only: the published DynaSD selection
+    without_replacement: bool = True
+    lookup_ngram: int = 2  # lookup: the longest n-gram matched (then shorter ones, down to 1)
+    lookup_branch: bool = False  # greedy `tree`: the lookup chain as one more branch
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
+        if self.lossy and self.method != "ti-mcsd":
+            raise ValueError("--lossy applies to ti-mcsd only")
+        if self.lookup_branch and (self.method != "tree" or not self.sampling.greedy):
+            raise ValueError("a lookup branch applies to greedy tree rounds only")
+        if self.max_new_tokens < 1 or self.max_depth < 1 or self.lookup_ngram < 1:
+            raise ValueError("max_new_tokens, max_depth and lookup_ngram must be >= 1")
+        if self.max_depth > MAX_DEPTH:
+            raise ValueError(f"max_depth must be <= {MAX_DEPTH}, got {self.max_depth}")
+        if self.ti_width < 1 or any(k < 1 for k in self.mcsd_branching):
+            raise ValueError(f"ti_width and mcsd_branching must be >= 1, got {self.ti_width} "
+                             f"and {list(self.mcsd_branching)}")
+        roots, branching = round_method(self.method).tree_shape(self)
+        nodes = level = roots
+        for k in branching:
+            level *= k
+            nodes += level
+        if nodes > MAX_TREE_NODES:
+            raise ValueError(f"the {self.method} tree would have {nodes} nodes "
+                             f"(at most {MAX_TREE_NODES}); lower the widths or max_depth")
+
+
+@dataclass(frozen=True)
+class Round:
+    """What one round proposes below: its roots, drawn from r, at `root_position` (the committed
+    length), at most `levels` deep (the depth cap, or less at the budget's end)."""
+
+    roots: torch.Tensor  # [roots] long
+    r: torch.Tensor  # [V] the distribution the roots were drawn from
+    root_position: int
+    levels: int
+    context: RoundContext | None  # None: no features (no drafter, or nobody reads them)
+
+
+class Proposed(NamedTuple):
+    """A round's proposal, the tree it is a slice of, and the wall time of the policy's
+    decisions (timing, kept out of the Proposal's data)."""
+
+    tree: Tree
+    proposal: Proposal
+    decision_seconds: float
+
+
+class RoundMethod:
+    """A static-tree method (`sd`, `mcsd`, `ti-mcsd`): a draft model drafts the method's tree
+    level by level while the stopping policy goes on.  The other methods override what differs."""
+
+    drafts = True  # runs a draft model
+    reads_features = False  # its rounds read draft features whatever the policy reads
+    looks_up = False  # proposes what the text's n-grams look up (`lookup.py`)
+
+    def tree_shape(self, config: DecodeConfig) -> tuple[int, tuple[int, ...]]:
+        """(roots, children per node at levels 1..max_depth) of the method's largest tree."""
+        return 1, (1,) * config.max_depth  # a chain
+
+    def checked_policy(self, config: DecodeConfig, tree: Tree, drafter: Drafter | None,
+                       policy: StoppingPolicy | TreePolicy | None
+                       ) -> StoppingPolicy | TreePolicy:
+        """The rounds' policy (default: the tree's full depth), or a ValueError when the method
+        lacks what it needs."""
+        if self.drafts and drafter is None:
+            raise ValueError(f"method '{config.method}' needs a drafter")
+        return policy or FixedDepth(max(tree.max_depth, 1))
+
+    def round_gate(self, policy: StoppingPolicy | TreePolicy) -> RoundGate | None:
+        """The gate that may keep a round from drafting (`round_gate.py`); static methods have
+        none."""
+        return None
+
+    def depth_cap(self, config: DecodeConfig, tree: Tree,
+                  policy: StoppingPolicy | TreePolicy) -> int:
+        """The deepest level a round proposes below its roots: the tree's, at most the policy's
+        `max_levels`."""
+        if policy.max_levels is None:
+            return tree.max_depth
+        return min(tree.max_depth, policy.max_levels)
+
+    def propose(self, round: Round, drafter: Drafter | None, policy: StoppingPolicy | TreePolicy,
+                tree: Tree, lookup: Lookup | None, config: DecodeConfig,
+                generator: torch.Generator | None) -> Proposed:
+        """Draft `tree` (the method's largest) below the round's roots (`propose`)."""
+        proposal, decision_seconds = propose(drafter, tree.on(round.r.device), round, policy,
+                                             config, generator)
+        return Proposed(tree, proposal, decision_seconds)
+
+
+class MultiCandidate(RoundMethod):
+    """`mcsd`: mcsd_branching's leading widths, then chains."""
+
+    def tree_shape(self, config: DecodeConfig) -> tuple[int, tuple[int, ...]]:
+        d = config.max_depth
+        widths = tuple(config.mcsd_branching[:d])
+        return 1, widths + (1,) * (d - len(widths))
+
+
+class TargetInitialized(RoundMethod):
+    """`ti-mcsd`: ti_width chains below the root, or (lossy) below the target's top-W roots."""
+
+    def tree_shape(self, config: DecodeConfig) -> tuple[int, tuple[int, ...]]:
+        d = config.max_depth
+        if config.lossy:  # the target's top-W tokens start W chains
+            return config.ti_width, (1,) * d
+        return 1, (config.ti_width,) + (1,) * (d - 1)  # exact: prune to the target's own root
+
+
+class Autoregressive(RoundMethod):
+    """`ar`: the root alone, nothing drafted."""
+
+    drafts = False
+
+    def tree_shape(self, config: DecodeConfig) -> tuple[int, tuple[int, ...]]:
+        return 1, ()
+
+    def propose(self, round: Round, drafter: Drafter | None, policy: StoppingPolicy | TreePolicy,
+                tree: Tree, lookup: Lookup | None, config: DecodeConfig,
+                generator: torch.Generator | None) -> Proposed:
+        return Proposed(tree, root_alone(round.roots, round.root_position, round.r), 0.0)
+
+
+class PromptLookup(RoundMethod):
+    """`lookup`: the chain the text's last n-gram looks up (at most the policy's depth, a fixed
+    γ), no draft model."""
+
+    drafts = False
+    looks_up = True
+
+    def propose(self, round: Round, drafter: Drafter | None, policy: StoppingPolicy | TreePolicy,
+                tree: Tree, lookup: Lookup | None, config: DecodeConfig,
+                generator: torch.Generator | None) -> Proposed:
+        return Proposed(tree, lookup_proposal(lookup, round.roots, round.r, round.root_position,
+                                              round.levels), 0.0)
+
+
+class DynamicTree(RoundMethod):
+    """`tree`: a dynamic tree per round, drafted and cut by a TreePolicy (`dynamic.py`), whose
+    round gate may keep a round from drafting."""
+
+    reads_features = True
+
+    def tree_shape(self, config: DecodeConfig) -> tuple[int, tuple[int, ...]]:
+        return 1, ()  # its rounds build their own trees
+
+    def checked_policy(self, config: DecodeConfig, tree: Tree, drafter: Drafter | None,
+                       policy: StoppingPolicy | TreePolicy | None
+                       ) -> StoppingPolicy | TreePolicy:
+        if drafter is None or not isinstance(policy, TreePolicy):
+            got = "no drafter" if drafter is None else \
+                "no policy" if policy is None else f"a {type(policy).__name__}"
+            raise ValueError("method 'tree' needs a drafter and a tree policy (e.g. "
+                             f"ConfidenceTree), got {got}")
+        return policy
+
+    def round_gate(self, policy: StoppingPolicy | TreePolicy) -> RoundGate | None:
+        return getattr(policy, "round_gate", None)
+
+    def depth_cap(self, config: DecodeConfig, tree: Tree,
+                  policy: StoppingPolicy | TreePolicy) -> int:
+        """max_depth (the tree rule's own depth cuts the drafted tree further, not a lookup
+        branch)."""
+        return config.max_depth
+
+    def propose(self, round: Round, drafter: Drafter | None, policy: StoppingPolicy | TreePolicy,
+                tree: Tree, lookup: Lookup | None, config: DecodeConfig,
+                generator: torch.Generator | None) -> Proposed:
+        return Proposed(*propose_tree(drafter, policy, round.roots, round.r, round.root_position,
+                                      round.levels, round.context, config.sampling,
+                                      config.without_replacement, generator))
+
+
+ROUND_METHODS: dict[str, RoundMethod] = {
+    "ar": Autoregressive(), "sd": RoundMethod(), "mcsd": MultiCandidate(),
+    "ti-mcsd": TargetInitialized(), "tree": DynamicTree(), "lookup": PromptLookup()}
+assert tuple(ROUND_METHODS) == tuple(METHODS), "a method without its RoundMethod"
+
+
+def round_method(name: str) -> RoundMethod:
+    """The RoundMethod of a method name (one of common.params.METHODS)."""
+    return ROUND_METHODS[name]
+
+
+def propose(
+    drafter: Drafter,
+    tree: Tree,  # on r's device
+    round: Round,
+    policy: StoppingPolicy,
+    config: DecodeConfig,
+    generator: torch.Generator | None,
+) -> tuple[Proposal, float]:
+    """Draft `tree` below the round's roots level by level, at most `round.levels` deep, while
+    `policy` says go on; returns the proposal and the wall time of the policy's decisions.
+    Features are computed only with a context; a policy that reads none is not called: it
+    drafts `round.levels` (its `max_levels` are in the depth cap)."""
+    roots, r = round.roots, round.r
+    tokens, q_rows, feature_rows, decision_seconds = roots, [], [], 0.0
+    confidence = torch.ones(tree.roots, device=r.device)
+    for depth in range(round.levels):
+        logits = drafter.step(tree, depth, tokens[tree.level(depth)], round.root_position)
+        q = warp(logits, config.sampling)  # [n_depth, V]
+        kids = draft_children(q, tree.branching[depth], config.sampling,
+                              config.without_replacement, generator)
+        tokens = torch.cat([tokens, kids.flatten()])
+        q_rows.append(q)
+        if round.context is None:
+            continue
+        level = tree.level(depth + 1)
+        roots_of_kids = tree.root[level]  # also their rank among the roots
+        features = draft_features(q, kids, depth + 1, roots_of_kids, r[roots][roots_of_kids],
+                                  confidence, round.context)
+        confidence = features[:, PATH_CONFIDENCE]
+        feature_rows.append(features)
+        if policy.reads_features:
+            start = time.perf_counter()
+            go_on = bool(policy(features, tree.parent_row[level]).any())
+            decision_seconds += time.perf_counter() - start
+            if not go_on:
+                break
+    depth = len(q_rows)
+    q_all = torch.cat(q_rows) if q_rows else r.new_zeros(0, r.shape[0])
+    fed = torch.arange(tokens.shape[0])
+    fed[tree.size(depth - 1):] = -1  # the levels above the last were fed (size(-1) = 0)
+    return Proposal(tokens=tokens, depth=depth, root_position=round.root_position, q=q_all,
+                    features=tuple(feature_rows), fed=fed, steps=depth,
+                    drafted=tokens.shape[0] - tree.roots), decision_seconds
+
+
+def root_alone(
+    roots: torch.Tensor,  # [roots] long
+    root_position: int,
+    r: torch.Tensor,  # [V] the distribution the roots were drawn from
+) -> Proposal:
+    """The roots with nothing drafted below them (`ar`'s round, a round gated off)."""
+    return Proposal(tokens=roots, depth=0, root_position=root_position,
+                    q=r.new_zeros(0, r.shape[0]), features=(),
+                    fed=torch.full((roots.shape[0],), -1), steps=0, drafted=0)
