@@ -8,7 +8,7 @@ sanity floor (each family's AUC against the best single raw feature, with an int
 prompts) and an ablation of the winner by feature group (nested MLflow runs).
 
 Every entry (family or baseline) gets probability metrics on the labelled val rows (hard
-labels) and a stopping rule tuned on val for simulated speed (`models.rules`); a family's
+labels) and a stopping rule tuned on val for simulated speed (`replay.rules`); a family's
 speed is the better of its plain threshold and its cost-aware rule.  The oracle
 (`Replay.oracle`) is the upper bound; `fraction_of_gap` is (speed - best fixed) / (oracle -
 best fixed).
