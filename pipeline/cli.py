@@ -42,7 +42,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     from .decode_args import add_decode_args, add_model_args
-    from specstop.decoder.loop import METHODS
+    from specstop.common.params import METHODS
 
     parser = OneLineErrorParser(prog="specstop", description=__doc__)
     parser.add_argument("--params", type=Path, default=None,
