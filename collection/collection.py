@@ -29,7 +29,7 @@ from specstop.decoder.runtime import Runtime
 from specstop.decoder.sampling import Sampling
 from specstop.prompts.splits import read_split
 
-from .rows import RoundLogger, read_parts, write_part, write_schema
+from .rows import LOOKUP, RoundLogger, read_parts, write_part, write_schema
 
 STALE = "stale"  # parts logged under other settings are moved here, never deleted
 
@@ -66,9 +66,9 @@ DYNAMIC_STEP_WIDTHS = tuple(range(1, 9))  # draft step widths a dynamic tree may
 
 
 def collect_part(runtime: Runtime, part: Part, config: DecodeConfig, seed: int,
-                 progress: tqdm, totals: DecodeStats) -> RoundLogger:
+                 progress: tqdm, totals: DecodeStats, lookup_tokens: int) -> RoundLogger:
     """Decode every prompt of a part at its temperature with the policy 'draft to the maximum
-    depth'."""
+    depth'; greedy prompts also log each round's lookup chain of up to `lookup_tokens`."""
     logger, policy = RoundLogger(), FixedDepth(config.max_depth)
     config = replace(config, sampling=Sampling(part.temperature, config.sampling.top_p))
     for prompt_id, text in zip(part.prompt_ids, part.texts):
@@ -76,6 +76,8 @@ def collect_part(runtime: Runtime, part: Part, config: DecodeConfig, seed: int,
         prompt = runtime.encode(text, chat=False, special_tokens=False)
         generation = runtime.generate(prompt, config, policy, seed=_prompt_seed(seed, prompt_id),
                                       hook=logger)
+        if part.temperature == 0:
+            logger.finish(prompt.tolist(), generation.tokens, lookup_tokens, config.lookup_ngram)
         totals.add(generation.stats)
         progress.update(1)
         progress.set_postfix(tok_s=f"{totals.tokens_per_s:.1f}",
@@ -110,7 +112,10 @@ def collect(runtime: Runtime, parts: list[Part], config: DecodeConfig, collect: 
                     unit="prompt", mininterval=5)
     start, totals = time.perf_counter(), DecodeStats()
     for part in todo:
-        logger = collect_part(runtime, part, config, collect.seed, progress, totals)
+        logger = collect_part(runtime, part, config, collect.seed, progress, totals,
+                              collect.lookup_tokens)
+        if part.temperature == 0:  # before the part, whose file marks the part done
+            write_part(logger.lookup_table(), out / "parts" / LOOKUP / f"{part.name}.parquet")
         write_part(logger.table(), out / "parts" / f"{part.name}.parquet")
     progress.close()
     elapsed = time.perf_counter() - start

@@ -36,7 +36,7 @@ import pyarrow.dataset as pads
 from specstop.features import FEATURES, SCHEMA_VERSION
 from specstop.common.errors import DataError
 
-from .rows import check_part, corrupt
+from .rows import LOOKUP, check_part, corrupt
 
 FEATURE_NAMES = [f.name for f in FEATURES]
 LABEL_TYPES = ("hard", "soft")
@@ -138,9 +138,12 @@ def load(folder: Path, label: str = "hard", temperature: float = 0.0) -> Dataset
 
 
 def digest(folder: Path) -> str:
-    """sha256 over the part files (names and bytes) and the cost model (read in chunks)."""
+    """sha256 over the part files (names and bytes), their lookup rows and the cost model
+    (read in chunks)."""
     h = hashlib.sha256()
-    files = sorted((Path(folder) / "parts").glob("*.parquet")) + [Path(folder) / "costs.json"]
+    parts = Path(folder) / "parts"
+    files = sorted(parts.glob("*.parquet")) + sorted((parts / LOOKUP).glob("*.parquet")) \
+        + [Path(folder) / "costs.json"]
     for path in files:
         if path.is_file():
             h.update(path.name.encode())

@@ -8,6 +8,14 @@ the first rejection of their branch keep their row with `label = -1` and `after_
 is min(1, p/q), `accept_prob` the exact chance the token is accepted at its parent given that
 the parent was and its earlier siblings were not (`decoder.verify.acceptance`; every row, under
 greedy decoding the hard label where there is one).
+
+Greedy prompts also log the lookup chain of every round (`LOOKUP_SCHEMA`, one row per chain
+token, `lookup/<part>.parquet` beside the part): the chain a greedy `tree` round with a lookup
+branch would add below its root, its features (`decoder.lookup.LOOKUP_FEATURES`) and its labels,
+read off the text the round's prompt went on to (greedy decoding emits the target's arg-max
+whatever is proposed, so token j of a chain is accepted iff it and the tokens before it are the
+text's; -1 after a rejection or past the text's end).  `beside_draft` marks a chain whose first
+token the draft proposed at the root, which the runtime leaves out.
 """
 
 from __future__ import annotations
@@ -15,13 +23,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
 from specstop.common.errors import DataError, first_line
 from specstop.common.files import write_atomic, write_json
-from specstop.features import FEATURES, SCHEMA_VERSION, schema_dict
+from specstop.decoder.lookup import LOOKUP_FEATURES, Lookup
+from specstop.features import FEATURES, SCHEMA_VERSION, feature_index, schema_dict
 
 if TYPE_CHECKING:  # the loop's record type only: reading rows needs no runtime
     from specstop.decoder.loop import RoundRecord
@@ -48,6 +58,13 @@ LABEL_COLUMNS = [
 ]
 ROW_SCHEMA = pa.schema(ID_COLUMNS + [(f.name, pa.float32()) for f in FEATURES] + LABEL_COLUMNS,
                        metadata={"feature_schema_version": str(SCHEMA_VERSION)})
+LOOKUP_SCHEMA = pa.schema([("prompt_id", pa.string()), ("split", pa.string()),
+                           ("round", pa.int32()), ("token", pa.int32()), ("label", pa.int8()),
+                           ("beside_draft", pa.bool_()),
+                           *[(name, pa.float32()) for name in LOOKUP_FEATURES]])  # position
+# (1 = below the root) among them
+LOOKUP = "lookup"  # the lookup rows' folder, inside `parts/`
+TOKENS_GENERATED = feature_index("tokens_generated")
 
 
 class RoundLogger:
@@ -55,14 +72,20 @@ class RoundLogger:
 
     def __init__(self) -> None:
         self.columns: dict[str, list] = {name: [] for name in ROW_SCHEMA.names}
+        self.lookup_columns: dict[str, list] = {name: [] for name in LOOKUP_SCHEMA.names}
         self.prompt_id, self.split, self.temperature = "", "", 0.0
+        self.rounds: list[tuple[int, int, list[int]]] = []  # the prompt's (round, tokens
+        # emitted once its root is, tokens drafted at the root)
 
     def start(self, prompt_id: str, split: str, temperature: float = 0.0) -> None:
         self.prompt_id, self.split, self.temperature = prompt_id, split, temperature
+        self.rounds = []
 
     def __call__(self, record: RoundRecord) -> None:
         n = record.tokens.shape[0]
         c = self.columns
+        self.rounds.append((record.round, int(record.features[0, TOKENS_GENERATED]),
+                            record.tokens[record.depth == 1].tolist()))
         c["prompt_id"] += [self.prompt_id] * n
         c["split"] += [self.split] * n
         c["temperature"] += [self.temperature] * n
@@ -81,11 +104,40 @@ class RoundLogger:
         c["p_target"] += record.p_target.tolist()
         c["q_draft"] += record.q_draft.tolist()
 
+    def finish(self, prompt: list[int], text: list[int], chain_tokens: int, ngram: int) -> None:
+        """Log the lookup chain of each round of the prompt just decoded (greedy): `prompt` its
+        tokens, `text` the tokens it went on to, chains of up to `chain_tokens` tokens matched
+        on n-grams of up to `ngram` tokens."""
+        lookup, committed, c = Lookup(prompt, ngram), 0, self.lookup_columns
+        for round_index, emitted, root_children in self.rounds:
+            lookup.extend(text[committed:emitted])  # the text up to the round's root
+            committed = emitted
+            match = lookup.match(chain_tokens)
+            if not match.tokens:
+                continue
+            k, truth = len(match.tokens), text[emitted : emitted + len(match.tokens)]
+            labels, alive = [], True
+            for j, token in enumerate(match.tokens):
+                hit = alive and j < len(truth) and token == truth[j]
+                labels.append(1 if hit else 0 if alive and j < len(truth) else -1)
+                alive = hit
+            c["prompt_id"] += [self.prompt_id] * k
+            c["split"] += [self.split] * k
+            c["round"] += [round_index] * k
+            c["token"] += match.tokens
+            c["label"] += labels
+            c["beside_draft"] += [match.tokens[0] in root_children] * k
+            for name, column in zip(LOOKUP_FEATURES, match.features().T):
+                c[name] += column.tolist()
+
     def __len__(self) -> int:
         return len(self.columns["label"])
 
     def table(self) -> pa.Table:
         return pa.table(self.columns, schema=ROW_SCHEMA)
+
+    def lookup_table(self) -> pa.Table:
+        return pa.table(self.lookup_columns, schema=LOOKUP_SCHEMA)
 
 
 def write_part(table: pa.Table, path: Path) -> None:
@@ -135,6 +187,19 @@ def check_columns(path: Path, schema: pa.Schema) -> None:
         missing = set(ROW_SCHEMA.names) - set(schema.names)
         raise DataError(f"{path}: columns differ from the row schema"
                         + (f" (missing {sorted(missing)})" if missing else ""))
+
+
+def read_lookup_rows(folder: Path) -> pd.DataFrame:
+    """Every part's lookup rows (`folder/parts/lookup`), in part-name order; DataError names a
+    file that does not match LOOKUP_SCHEMA."""
+    tables = []
+    for path in sorted((Path(folder) / "parts" / LOOKUP).glob("*.parquet")):
+        table = _decoded(path, pq.read_table)
+        if table.schema.remove_metadata() != LOOKUP_SCHEMA:
+            raise DataError(f"{path}: columns differ from the lookup row schema")
+        tables.append(table)
+    return pa.concat_tables(tables).to_pandas() if tables else \
+        LOOKUP_SCHEMA.empty_table().to_pandas()
 
 
 def read_parts(folder: Path) -> pa.Table:

@@ -248,6 +248,8 @@ class CollectConfig(TreeConfig):
     max_prompts: PosInt | None = None
     part_size: PosInt = 4  # prompts per Parquet part (the unit of resume and sharding)
     temperatures: list[Temperature] = Field([0.0], min_length=1)  # every prompt at each
+    lookup_tokens: PosInt = 10  # the longest lookup chain logged per greedy round (the bench's
+    # `prompt_lookup_tokens`: its `tree+stop_model+lookup` chains)
 
     @model_validator(mode="after")
     def _temperatures_only(self) -> "CollectConfig":

@@ -9,6 +9,12 @@ Three trees share the drafted tree's level-major node order:
   one draft step per level;
 - V, the verify tree: the root and the candidates `verify_set` keeps (all of them when
   sampling); the loop scores, verifies and commits it as it does a static tree.
+
+A greedy round's lookup chain (`lookup.LookupBranch`) is one more branch of candidates below the
+root, with survivals of its own: `verify_set` ranks them with the drafted ones and keeps the
+prefix of the chain that pays, placed last in each level of V (`lookup.with_lookup_branch`).  A
+chain whose first token the draft proposed at the root is left out (greedy siblings are
+distinct).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from specstop.features import RoundContext, draft_features, feature_index
 
 from .contracts import Proposal
 from .drafter import Drafter, draft_children
+from .lookup import LookupBranch, with_lookup_branch
 from .policy import TreePolicy, decoding_rule
 from .sampling import Sampling, warp
 from .tree import Tree
@@ -41,9 +48,11 @@ def propose_tree(
     sampling: Sampling,
     without_replacement: bool,
     generator: torch.Generator | None,
+    branch: LookupBranch | None = None,  # greedy rounds: a lookup chain below the root
 ) -> tuple[Tree, Proposal, float]:
     """Draft S below `root` level by level while some candidate is given `children`, then cut
-    it to V with `verify_set`; returns V, its Proposal and the wall time of the decisions."""
+    it (and `branch`) to V with `verify_set`; returns V, its Proposal and the wall time of the
+    decisions."""
     rule = decoding_rule(policy, sampling.greedy)
     levels = min(levels, rule.max_depth)
     drafted, frontier, decision = DraftedTree(root), np.zeros(1, dtype=np.int64), 0.0
@@ -75,9 +84,22 @@ def propose_tree(
         if frontier.size == 0:
             break
     start = time.perf_counter()
-    keep = verify_set(*drafted.candidates(), rule)
+    survival, parent, previous_sibling = drafted.candidates()
+    n = len(survival)
+    room = len(rule.verify_cost) - 2 - n  # chain tokens the rule prices
+    if branch is not None and room > 0 and branch.tokens[0] not in drafted.root_children():
+        c = min(len(branch.tokens), room)  # candidates n, n + 1, ..., each below the last
+        branch = LookupBranch(branch.tokens[:c], branch.survival[:c])
+        survival = np.concatenate([survival, branch.survival])
+        parent = np.concatenate([parent, [-1], n + np.arange(c - 1)])
+        previous_sibling = np.concatenate([previous_sibling, np.full(c, -1)])
+    keep = verify_set(survival, parent, previous_sibling, rule)
     decision += time.perf_counter() - start
-    return (*drafted.verify_proposal(keep, root_position), decision)
+    tree, proposal = drafted.verify_proposal(keep[:n], root_position)
+    chained = int(keep[n:].sum())
+    if chained:
+        tree, proposal = with_lookup_branch(tree, proposal, branch.tokens[:chained])
+    return tree, proposal, decision
 
 
 def _kept(slots: np.ndarray, drafted: int, device: torch.device) -> torch.Tensor | None:
@@ -131,6 +153,11 @@ class DraftedTree:
         self.q.append(q)
         self.features.append(features)
         return first + np.flatnonzero(expand)
+
+    def root_children(self) -> list[int]:
+        """The tokens drafted at the root (one read on the host)."""
+        return self.tokens[1:][torch.from_numpy(self.parent[1:] == 0).to(self.tokens.device)
+                               ].tolist()
 
     def candidates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`verify_set`'s view of the drafted nodes below the root [n - 1]: survival, parent

@@ -2,18 +2,28 @@
 below the round's root, the tokens that followed the most recent earlier occurrence of the
 text's last n tokens, as a chain.
 
-`Lookup` keeps the committed tokens (the prompt, then every emitted token) and, for each n-gram
-(n in [min_ngram, max_ngram]) some token followed, where its most recent such occurrence ends; a
-round looks its suffix up in O(max_ngram), whatever the length of the text.  A proposal is a
-point mass, so its q rows are one-hot and the loop's exact verification is speculative sampling
-with q = onehot(x) (VERIFICATION.md §2, deterministic candidates): greedy accepts while the
-token is the target's arg-max; sampling accepts x with probability p(x), else draws the
-correction from res(p, onehot(x)), p with x removed.  Greedy `tree` rounds may add the chain
-below the root beside the draft's tree (`with_lookup_branch`).
+`Lookup` keeps the committed tokens (the prompt, then every emitted token, the round's root
+included before it proposes) and, for each n-gram (n in [min_ngram, max_ngram]) some token
+followed, where its most recent such occurrence ends; a round looks its suffix up in
+O(max_ngram), whatever the length of the text.  A proposal is a point mass, so its q rows are
+one-hot and the loop's exact verification is speculative sampling with q = onehot(x)
+(VERIFICATION.md §2, deterministic candidates): greedy accepts while the token is the target's
+arg-max; sampling accepts x with probability p(x), else draws the correction from
+res(p, onehot(x)), p with x removed.
+
+Greedy `tree` rounds may add the chain below the root beside the draft's tree: the lookup is one
+more source of candidates, with features of its own (`LOOKUP_FEATURES`: its position in the
+chain, the n-gram length matched, how far back the match is, how often the lookup's next-token
+guess was right over the recent text) and a learned P(accepted | parent accepted)
+(`LookupModel`, fitted by stage `train` on the chains collect logs); the chain's survivals join
+the drafted nodes' in the tree rule's `verify_set`, which keeps the prefix of it that pays
+(`dynamic.propose_tree`).  Every feature is a function of the committed text alone, so under
+greedy decoding what collect logs is what the runtime sees, whatever the policy.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
@@ -21,6 +31,9 @@ import torch
 
 from .contracts import Proposal
 from .tree import Tree
+
+LOOKUP_FEATURES = ("position", "ngram", "log_gap", "recent")  # `LookupMatch.features`
+RECENT_WEIGHT = 0.1  # the weight of the newest token in `Lookup.recent`
 
 
 class Lookup:
@@ -33,24 +46,102 @@ class Lookup:
         self.tokens: list[int] = []
         self.ends: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its most
         # recent occurrence that a token followed
+        self.recent = 0.0  # EMA over the committed tokens: 1 where the lookup's next-token
+        # guess before it was that token
         self.extend(tokens)
 
     def extend(self, tokens: Iterable[int]) -> None:
-        """Commit `tokens`, indexing the n-grams each of them follows."""
+        """Commit `tokens`, scoring the guess before each and indexing the n-grams each of them
+        follows."""
         for token in tokens:
+            guess = self.match(1).tokens
+            self.recent += RECENT_WEIGHT * (float(guess == [token]) - self.recent)
             end = len(self.tokens)
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
                 self.ends[tuple(self.tokens[end - n : end])] = end
             self.tokens.append(token)
 
-    def chain(self, k: int) -> list[int]:
+    def match(self, k: int) -> "LookupMatch":
         """Up to k tokens that followed the most recent earlier occurrence of the text's last n
-        tokens, the longest n that occurred before first; [] when none did."""
+        tokens, the longest n that occurred before first (no tokens when none did)."""
         for n in range(min(self.max_ngram, len(self.tokens)), self.min_ngram - 1, -1):
             end = self.ends.get(tuple(self.tokens[-n:]))
             if end is not None:
-                return self.tokens[end : end + k]
-        return []
+                return LookupMatch(self.tokens[end : end + k], n, len(self.tokens) - end,
+                                   self.recent)
+        return LookupMatch([], 0, 0, self.recent)
+
+    def chain(self, k: int) -> list[int]:
+        """The tokens of `match(k)`."""
+        return self.match(k).tokens
+
+
+@dataclass(frozen=True)
+class LookupMatch:
+    """A chain looked up, and what the lookup knew when it found it."""
+
+    tokens: list[int]
+    ngram: int  # the n-gram length matched (0: no match)
+    gap: int  # tokens from the match's end to the text's end (>= 1)
+    recent: float  # `Lookup.recent` then
+
+    def features(self) -> np.ndarray:
+        """[k, len(LOOKUP_FEATURES)] float64: each chain token's features."""
+        k = len(self.tokens)
+        return np.column_stack([np.arange(1, k + 1), np.full(k, self.ngram),
+                                np.full(k, np.log1p(self.gap)), np.full(k, self.recent)]
+                               ).astype(np.float64).reshape(k, len(LOOKUP_FEATURES))
+
+
+@dataclass(frozen=True)
+class LookupModel:
+    """A logistic P(chain token accepted | the tokens before it were) on LOOKUP_FEATURES."""
+
+    weights: tuple[float, ...]
+    bias: float
+
+    def __post_init__(self) -> None:
+        if len(self.weights) != len(LOOKUP_FEATURES) or not np.all(np.isfinite(
+                [*self.weights, self.bias])):
+            raise ValueError(f"a lookup model needs {len(LOOKUP_FEATURES)} finite weights "
+                             f"({', '.join(LOOKUP_FEATURES)}) and a finite bias")
+
+    def probabilities(self, features: np.ndarray) -> np.ndarray:
+        """[k] P(accepted | parent accepted) of rows [k, len(LOOKUP_FEATURES)]."""
+        return 1.0 / (1.0 + np.exp(-(features @ np.asarray(self.weights) + self.bias)))
+
+    def as_dict(self) -> dict:
+        return {"features": list(LOOKUP_FEATURES), "weights": list(self.weights),
+                "bias": self.bias}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "LookupModel":
+        if list(raw.get("features", [])) != list(LOOKUP_FEATURES):
+            raise ValueError(f"a lookup model on features {raw.get('features')}, this "
+                             f"specstop computes {list(LOOKUP_FEATURES)}")
+        return cls(tuple(float(w) for w in raw["weights"]), float(raw["bias"]))
+
+
+@dataclass(frozen=True)
+class LookupBranch:
+    """A greedy `tree` round's lookup chain and each token's survival (the chance it and the
+    chain's tokens before it are accepted)."""
+
+    tokens: list[int]
+    survival: np.ndarray  # [len(tokens)] float64, non-increasing
+
+
+def lookup_branch(lookup: Lookup, levels: int, model: "LookupModel | None"
+                  ) -> LookupBranch | None:
+    """The chain below the round's root (committed to `lookup`), at most `levels` long, with
+    its survivals from `model` (None: each token certain, the whole chain if verifying it pays);
+    None when nothing is looked up."""
+    match = lookup.match(levels)
+    if not match.tokens:
+        return None
+    if model is None:
+        return LookupBranch(match.tokens, np.ones(len(match.tokens)))
+    return LookupBranch(match.tokens, np.cumprod(model.probabilities(match.features())))
 
 
 def lookup_proposal(
@@ -60,10 +151,9 @@ def lookup_proposal(
     root_position: int,
     levels: int,  # the longest chain to propose
 ) -> Proposal:
-    """Commit the root to `lookup` (one read of it on the host) and propose the chain it looks
-    up below it: q [depth, V] one-hot, node i's child drawn from a point mass.  One step per
-    level proposed (a look-up, not a draft forward); nothing is fed to a draft."""
-    lookup.extend(roots.tolist())
+    """The chain `lookup` (the root committed) looks up below the root: q [depth, V] one-hot,
+    node i's child drawn from a point mass.  One step per level proposed (a look-up, not a draft
+    forward); nothing is fed to a draft."""
     chain = torch.tensor(lookup.chain(levels), dtype=torch.long, device=roots.device)
     depth = chain.shape[0]
     q = r.new_zeros(depth, r.shape[0]).scatter_(1, chain[:, None], 1.0)
@@ -75,19 +165,12 @@ def lookup_proposal(
 def with_lookup_branch(
     tree: Tree,
     proposal: Proposal,
-    lookup: Lookup,
-    levels: int,  # the longest chain to add
+    chain: list[int],  # >= 1 token, the first not among the root's drafted children
 ) -> tuple[Tree, Proposal]:
-    """Greedy `tree` rounds: commit the root to `lookup` and add the chain it looks up below the
-    root as one more branch, each of its nodes last in its level (so the tree stays in
-    level-major order), unless the draft already proposes its first token (greedy siblings are
-    distinct).  Its nodes are not fed to the draft; their q rows are one-hot (greedy ignores q)
-    and they carry no features."""
+    """Greedy `tree` rounds: `chain` below the root as one more branch, each of its nodes last
+    in its level (so the tree stays in level-major order).  Its nodes are not fed to the draft;
+    their q rows are one-hot (greedy ignores q) and they carry no draft features."""
     tokens = proposal.tokens
-    lookup.extend(tokens[:1].tolist())
-    chain = lookup.chain(levels)
-    if not chain or chain[0] in tokens[list(tree.children(0))].tolist():
-        return tree, proposal
     n, c, vocab = tokens.shape[0], len(chain), proposal.q.shape[1]
     parent = np.concatenate([tree.parent[:n].numpy(), [0], n + np.arange(c - 1)])
     depth = np.concatenate([tree.depth[:n].numpy(), 1 + np.arange(c)])

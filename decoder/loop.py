@@ -32,7 +32,7 @@ from .contracts import Proposal, Scores, Verdict
 from .costs import CostCurve
 from .drafter import Drafter, draft_children
 from .kv import KVModel
-from .lookup import Lookup, with_lookup_branch
+from .lookup import Lookup
 from .methods import DecodeConfig, Round, round_method
 from .policy import StoppingPolicy, TreePolicy
 from .sampling import Sampling, sample, warp
@@ -187,6 +187,8 @@ def generate(
         if emitted >= config.max_new_tokens:  # the root alone fills the budget
             out.extend(roots[:root_emitted].tolist())
             break
+        if lookup is not None:  # the text a lookup reads holds the root
+            lookup.extend(roots.tolist())
         # 2. Propose below the roots as deep as the depth cap and the budget (one token per
         # level) allow; a round the gate keeps from drafting proposes the root alone, as `ar`.
         levels = min(depth_cap, config.max_new_tokens - emitted - 1 + root_emitted)
@@ -196,8 +198,6 @@ def generate(
         round_tree, proposal, decision_seconds = (AR if gated else method).propose(
             Round(roots, r, target.length, levels, context), drafter, policy, tree, lookup,
             config, generator)
-        if config.lookup_branch:
-            round_tree, proposal = with_lookup_branch(round_tree, proposal, lookup, levels)
         on_device = round_tree.on(r.device)
         # 3. Score: one target pass over the proposal.
         scores = score(target, on_device, proposal, config.sampling, costs,

@@ -10,7 +10,8 @@ loop (`loop.py`) compares no method names:
   proposes below its roots, before the budget);
 - how a round proposes (`propose`): the root alone (`ar`, a round the gate keeps from drafting),
   the static tree level by level while the stopping policy goes on, the dynamic tree
-  (`dynamic.propose_tree`), the chain a look-up finds (`lookup.lookup_proposal`).
+  (`dynamic.propose_tree`, with the lookup chain as one more source under greedy decoding
+  with `lookup_branch`), the chain a look-up finds (`lookup.lookup_proposal`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from specstop.features import RoundContext, draft_features, feature_index
 from .contracts import Proposal
 from .drafter import Drafter, draft_children
 from .dynamic import propose_tree
-from .lookup import Lookup, lookup_proposal
+from .lookup import Lookup, lookup_branch, lookup_proposal
 from .policy import FixedDepth, StoppingPolicy, TreePolicy
 from .round_gate import RoundGate
 from .sampling import Sampling, warp
@@ -49,7 +50,8 @@ class DecodeConfig:
     lossy: bool = False  # ti-mcsd only: the published DynaSD selection
     without_replacement: bool = True
     lookup_ngram: int = 2  # lookup: the longest n-gram matched (then shorter ones, down to 1)
-    lookup_branch: bool = False  # greedy `tree`: the lookup chain as one more branch
+    lookup_branch: bool = False  # greedy `tree`: the lookup chain as one more source of
+    # candidates (a round the gate keeps from drafting proposes the root alone)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -217,9 +219,11 @@ class DynamicTree(RoundMethod):
     def propose(self, round: Round, drafter: Drafter | None, policy: StoppingPolicy | TreePolicy,
                 tree: Tree, lookup: Lookup | None, config: DecodeConfig,
                 generator: torch.Generator | None) -> Proposed:
+        branch = lookup_branch(lookup, round.levels, policy.lookup_model) \
+            if config.lookup_branch else None
         return Proposed(*propose_tree(drafter, policy, round.roots, round.r, round.root_position,
                                       round.levels, round.context, config.sampling,
-                                      config.without_replacement, generator))
+                                      config.without_replacement, generator, branch))
 
 
 ROUND_METHODS: dict[str, RoundMethod] = {

@@ -27,6 +27,7 @@ import torch
 
 from specstop.features import feature_index
 
+from .lookup import LookupModel
 from .tree_rule import TreeRule
 
 DEPTH = feature_index("depth")
@@ -102,6 +103,8 @@ class TreePolicy(Protocol):
     name: str
     tree_rule: TreeRule
     sampling_rule: TreeRule | None  # the rule tuned on sampled rounds (`decoding_rule`)
+    lookup_model: LookupModel | None  # a lookup chain's P(accepted | parent accepted) (None:
+    # certain)
 
     def probabilities(self, features: torch.Tensor) -> torch.Tensor:  # [n, F] -> [n] float
         ...
@@ -118,8 +121,10 @@ class ConfidenceTree:
     """EAGLE-2's dynamic tree: p-hat is the draft's probability of its own token, so a node's
     survival is the draft's confidence in its path."""
 
-    def __init__(self, rule: TreeRule, sampling_rule: TreeRule | None = None) -> None:
+    def __init__(self, rule: TreeRule, sampling_rule: TreeRule | None = None,
+                 lookup_model: LookupModel | None = None) -> None:
         self.tree_rule, self.sampling_rule = rule, sampling_rule
+        self.lookup_model = lookup_model
         self.name = f"confidence-tree-{rule.expand:g}"
 
     def probabilities(self, features: torch.Tensor) -> torch.Tensor:

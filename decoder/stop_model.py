@@ -10,7 +10,8 @@ The rules are those the replay tuned, with the arithmetic both share (`.policy`)
   before they are drawn, exact; tuned on sampled rounds) where the export has one,
   behind the round gate `round_gate` (`.round_gate`; none: every round drafts); `fallback: ar`
   where no drafting policy beat `ar` in the replay on the cost curve it was tuned for: the
-  gate then never opens and the loop runs plain `ar`;
+  gate then never opens and the loop runs plain `ar`; `lookup_model`, the lookup chain's
+  P(accepted | parent accepted) (`.lookup.LookupModel`) when a greedy round adds the chain;
 - threshold: continue below a node while p-hat > t;
 - cost_aware: continue below a node while P_d * p-hat_d / (c + v)_d > rho: P_d the product of
   p-hat along the node's branch within the round, level d included (reset at depth 1, carried
@@ -31,6 +32,7 @@ from specstop.common.errors import SpecstopError, first_line
 from specstop.common.files import check_file
 from specstop.features import FEATURES, SCHEMA_VERSION
 
+from .lookup import LookupModel
 from .policy import DEPTH, continues, cost_aware_score
 from .round_gate import RoundGate
 from .tree_rule import TreeRule
@@ -98,6 +100,8 @@ class LearnedPolicy:
             sampling = meta.get("sampling_tree_rule")
             self.sampling_rule = TreeRule.from_dict(sampling) if sampling else None
             self.round_gate = _round_gate(meta)
+            lookup = meta.get("lookup_model")
+            self.lookup_model = LookupModel.from_dict(lookup) if lookup else None
         except (KeyError, TypeError, ValueError) as err:
             raise SpecstopError(f"{source or 'stop model'}: incomplete metadata "
                                 f"({type(err).__name__}: {err})") from err

@@ -23,6 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from specstop.collection import data
+from specstop.collection.rows import read_lookup_rows
 from specstop.common import tracking
 from specstop.common.errors import SpecstopError
 from specstop.common.files import write_json
@@ -135,7 +136,8 @@ def _trees(dataset: data.Dataset, bench: Bench, entries: dict[str, Entry]
     families = {f: (entries[f].model.predict_proba(bench.X), entries[f].latency if charge else 0.0)
                 for f in bench.config.families}
     return tree_report.compare(dataset.train.rows, dataset.val.rows, bench.costs,
-                               confidence_score(bench.X), families)
+                               confidence_score(bench.X), families,
+                               read_lookup_rows(bench.config.data))
 
 
 def _sampling_trees(config: StopTrainConfig, bench: Bench, entries: dict[str, Entry]
@@ -440,6 +442,7 @@ def _summary(entries: dict[str, Entry], bench: Bench, dataset: data.Dataset,
                                "along its branch",
             "oracle_speedup": bench.oracle.speedup,
             "confidence_tree_rule": trees.rules[tree_report.CONFIDENCE_TREE].as_dict(),
+            "lookup_model": None if trees.lookup_model is None else trees.lookup_model.as_dict(),
             "best_static_tree": {"method": trees.best_static,
                                  **trees.tuned[trees.best_static].setting},
             "tree_rule": "per node survival s = product of p along its path; after each draft "

@@ -148,6 +148,7 @@ def metadata(family: str, summary: dict) -> dict:
             "tree_speedup": entry["tree_speedup"], "tree_costs": entry.get("tree_costs"),
             **{key: entry.get(key) for key in SAMPLING_KEYS},
             **{key: entry.get(key) for key in GATE_KEYS},
+            "lookup_model": summary.get("lookup_model"),
             "label": summary["label"], "dataset_digest": summary["dataset_digest"],
             "mlflow_run_id": entry["run_id"], "mlflow_experiment": summary["experiment"]}
 

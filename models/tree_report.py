@@ -4,12 +4,15 @@ Static shapes (chains, `ti-mcsd`-like, the grid), Sequoia's tree, the EAGLE-2-st
 tree (the draft's own confidence as survival) and each family's dynamic tree, under one cost
 model and the oracle (`replay.tree_replay`).  "Best static" is the fastest static entry.  Each
 family's tree also gets its round gate, or `ar` where nothing drafting beats it
-(`models.round_gate`): the winner is reported against `ar` (speedup 1).
+(`models.round_gate`): the winner is reported against `ar` (speedup 1).  With the logged
+lookup chains, the lookup's decision model (`models.lookup_model`) is fitted on train's, and
+each dynamic tree is replayed with the chain as one more source (its rule as tuned), with the
+chain's survival learned and certain, beside `lookup` alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -17,15 +20,20 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from specstop.decoder.costs import CostModel
+from specstop.decoder.lookup import LookupModel
 from specstop.decoder.round_gate import RoundGate
 from specstop.decoder.tree_rule import TreeRule
 
+from specstop.collection.data import ROUND_KEYS
 from specstop.evaluation import plots
+from specstop.replay.lookup_chains import LookupChains
 from specstop.replay.tree_replay import (WIDTH_GRID, TreeCosts, TreeReplay, TreeResult, Tuned,
                                          best_static, sequoia, tune_dynamic, tune_sampling)
 
-from . import round_gate
+from . import lookup_model, round_gate
 
+LOOKUP_ROOM = 16  # chain tokens every tuned rule prices beyond its largest tree (the runtime
+# adds no more than a rule prices)
 STATIC = ("static_chain", "static_ti_mcsd", "static_tree", "sequoia")
 CONFIDENCE_TREE = "confidence_tree"
 TARGETS = {"10pct_over_best_static": ("vs_best_static", 1.10),  # the issue's replay targets
@@ -64,10 +72,38 @@ class TreeComparison(Ranking):
     oracle: TreeResult
     families: tuple[str, ...]
     replay: TreeReplay  # the val rounds
+    replay_rows: pd.DataFrame  # their round keys, in the replay's round order
     costs: CostModel
     gate: RoundGate | None = None  # fitted on the train rounds, not yet tuned
     gate_features: np.ndarray | None = None  # [R, len(GATE_FEATURES)] of the val rounds
     gates: dict[str, round_gate.GateChoice] = field(default_factory=dict)  # by family
+    lookup_model: LookupModel | None = None  # fitted on the train chains (`with_lookup`)
+    lookup: dict = field(default_factory=dict)  # metrics/train.json's `replay.lookup`
+
+    def with_lookup(self, chains: pd.DataFrame, families: dict[str, tuple[np.ndarray, float]]
+                    ) -> "TreeComparison":
+        """This comparison with the lookup's model fitted on the train `chains` and every
+        dynamic tree (`families`, the confidence tree) replayed with val's chains beside it."""
+        model, fitted = lookup_model.fit(chains)
+        val = LookupChains.from_rows(chains[chains["split"] == "val"], self.replay_rows)
+        policies = {}
+        for name, (p, latency) in families.items():
+            costs = _tree_costs(self.costs, self.replay, latency)
+            rule, without = self.rules[name], self.tuned[name].result.speedup
+            learned, certain = (self.replay.dynamic(p, rule, costs, chains=val,
+                                                    chain_survival=val.survival(m)).speedup
+                                for m in (model, None))
+            policies[name] = {"simulated_speedup": learned, "with_vs_without": learned / without,
+                              "certain_chain_speedup": certain,
+                              "learned_vs_certain": learned / certain}
+        metrics = {"model": None if model is None else model.as_dict(), **fitted,
+                   "chains": int(len(np.unique(val.round_index))), "rounds": self.replay.rounds,
+                   "alone": _lookup_alone(self.replay, val, _tree_costs(self.costs, self.replay,
+                                                                         0.0)),
+                   "policies": policies}
+        if self.winner is not None:
+            metrics["winner"] = {"family": self.winner, **policies[self.winner]}
+        return replace(self, lookup_model=model, lookup=metrics)
 
     def tune(self, name: str, p: np.ndarray, latency: float) -> tuple[Tuned, TreeRule]:
         """A dynamic tree for per-row probabilities p on these rounds, `latency` seconds
@@ -98,6 +134,8 @@ class TreeComparison(Ranking):
             out["winner"] = winner
             out["targets"] = {key: winner[name] >= bound
                               for key, (name, bound) in TARGETS.items()}
+        if self.lookup:
+            out["lookup"] = self.lookup
         return out
 
 
@@ -155,27 +193,44 @@ def branching(costs: CostModel) -> tuple[int, ...]:
 
 
 def compare(train: pd.DataFrame, val: pd.DataFrame, costs: CostModel, q_token: np.ndarray,
-            families: dict[str, tuple[np.ndarray, float]]) -> TreeComparison:
+            families: dict[str, tuple[np.ndarray, float]],
+            chains: pd.DataFrame | None = None) -> TreeComparison:
     """Every policy on the val rows; `families` maps a family to (p of every val row, its
-    decision latency in seconds, charged per draft step)."""
+    decision latency in seconds, charged per draft step); with the logged lookup `chains`
+    (`collection.rows.read_lookup_rows`), also with the lookup branch (`with_lookup`)."""
     shape = branching(costs)
     replay, train_replay = TreeReplay.from_rows(val, shape), TreeReplay.from_rows(train, shape)
     base = _tree_costs(costs, replay, 0.0)
     static = {**best_static(replay, base), "sequoia": sequoia(replay, train_replay, base)}
-    comparison = TreeComparison(static, {}, replay.oracle(base), tuple(families), replay, costs,
-                                round_gate.fit(train), round_gate.round_features(val))
+    comparison = TreeComparison(static, {}, replay.oracle(base), tuple(families), replay,
+                                val[ROUND_KEYS], costs, round_gate.fit(train),
+                                round_gate.round_features(val))
     for name, (p, latency) in {CONFIDENCE_TREE: (q_token, 0.0), **families}.items():
         comparison.tuned[name], comparison.rules[name] = comparison.tune(name, p, latency)
     for name, (p, latency) in families.items():
         comparison.gates[name] = comparison.choose_gate(name, p, latency)
+    if chains is not None and len(chains):
+        return comparison.with_lookup(chains, {CONFIDENCE_TREE: (q_token, 0.0), **families})
     return comparison
+
+
+def _lookup_alone(replay: TreeReplay, chains: LookupChains, costs: TreeCosts) -> dict:
+    """`lookup` alone on the replayed rounds: each round verifies its whole chain (the root
+    alone without one), nothing drafted."""
+    length = np.bincount(chains.round_index, minlength=replay.rounds)
+    accepted = np.bincount(chains.round_index, chains.accepted, minlength=replay.rounds)
+    cost = costs.verify[1 + np.minimum(length, len(costs.verify) - 2)]
+    return {"simulated_speedup": float((1 + accepted).sum() / cost.sum()),
+            "tokens_per_call": float((1 + accepted).mean()),
+            "verified_nodes": float(length.mean())}
 
 
 def _tree_costs(costs: CostModel, replay: TreeReplay, latency: float) -> TreeCosts:
     """The cost tables for every tree of the replay: passes up to the superset's size, draft
     steps up to its widest level or the widest width tried."""
     widest = max(max(WIDTH_GRID), *np.diff((0, *costs.tree_sizes)))
-    return TreeCosts.from_model(costs, len(replay.tree.parent), int(widest), latency)
+    return TreeCosts.from_model(costs, len(replay.tree.parent) + LOOKUP_ROOM, int(widest),
+                                latency)
 
 
 def budget_figure(comparison: TreeComparison) -> Figure:

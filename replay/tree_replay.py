@@ -26,6 +26,9 @@ the draft's k' draws are its k draws).  Policies:
   rho by Dinkelbach's iteration; on sampled rounds every drafted node is verified, and the
   sampling rule (a child count per node from s * r[d][j], r fitted on sampled train rows) is
   tuned by `tune_sampling`;
+- with a lookup branch (greedy): the logged lookup chains (`replay.lookup_chains`) join each
+  round's candidates with their survivals, and the verify set keeps the prefix that pays, as
+  `dynamic.propose_tree` does;
 - oracle: drafts and verifies exactly the accepted path, or nothing, knowing it in advance;
 - `ar`: every round gated off (`gated`: the root alone, one one-token pass), speedup exactly 1;
   a round gate (`models.round_gate`) gates some rounds off before a dynamic tree drafts.
@@ -46,6 +49,7 @@ from specstop.decoder.tree import Tree
 from specstop.decoder.tree_rule import TreeRule, children
 
 from specstop.collection.data import ROUND_KEYS
+from .lookup_chains import LookupChains
 from .simulate import parent_rows, path_product
 
 EXPAND_GRID = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9)
@@ -141,13 +145,20 @@ class TreeReplay:
     # ---- scoring -------------------------------------------------------------------------
 
     def score(self, kept: np.ndarray, fed: np.ndarray, costs: TreeCosts,
-              gated: np.ndarray | None = None) -> TreeResult:
-        """Replay: `kept` [n] verified rows, `fed` [R, max_depth] nodes fed per level (0: root);
-        rounds `gated` [R] off draft nothing: the root alone, `ar`'s step (1)."""
+              gated: np.ndarray | None = None, chains: LookupChains | None = None,
+              chained: np.ndarray | None = None) -> TreeResult:
+        """Replay: `kept` [n] verified rows, `fed` [R, max_depth] nodes fed per level (0: root),
+        `chained` [m] the verified rows of `chains`; rounds `gated` [R] off draft nothing: the
+        root alone, `ar`'s step (1)."""
         if gated is not None:
             kept, fed = kept & ~gated[self.round_index], np.where(gated[:, None], 0, fed)
         verified = np.bincount(self.round_index, kept, self.rounds)
         tokens = 1 + np.bincount(self.round_index, kept * self.gain, self.rounds)
+        if chains is not None:
+            if gated is not None:
+                chained = chained & ~gated[chains.round_index]
+            verified += np.bincount(chains.round_index, chained, self.rounds)
+            tokens += np.bincount(chains.round_index, chained & chains.accepted, self.rounds)
         cost = costs.step[fed].sum(axis=1) + costs.verify[1 + verified.astype(np.int64)]
         return TreeResult(float(tokens.sum() / cost.sum()), float(tokens.mean()),
                           float(verified.mean()), float((fed > 0).sum(axis=1).mean()))
@@ -170,10 +181,14 @@ class TreeReplay:
         return self.score(kept, self._fed_widths(fed, root), costs)
 
     def dynamic(self, p: np.ndarray, rule: TreeRule, costs: TreeCosts,
-                gated: np.ndarray | None = None) -> TreeResult:
+                gated: np.ndarray | None = None, chains: LookupChains | None = None,
+                chain_survival: np.ndarray | None = None) -> TreeResult:
         """The runtime's rule (`decoder.tree_rule`) with per-row acceptance probabilities p, the
-        rounds `gated` [R] off (`decoder.round_gate`) emitting the root alone."""
+        rounds `gated` [R] off (`decoder.round_gate`) emitting the root alone; greedy rounds
+        with a lookup branch: `chains` and their rows' survivals."""
         rule = rule.exact_under(not self.sampled)
+        if chains is not None and (self.sampled or not rule.prune):
+            raise ValueError("a lookup branch is replayed on greedy rounds only")
         s = path_product(p, self.level, self.parent_row)  # each row's survival
         if rule.rank_accept:
             kept, fed = self._counted(s, rule)
@@ -187,9 +202,12 @@ class TreeReplay:
             fed |= ok & (_rank_within(self.round_index, s, ok) < rule.max_width)
             below = (self.level == d + 1) & (self.parent_row >= 0)
             candidate[below] = fed[self.parent_row[below]]
-        kept = self._verify(s, candidate, rule) if rule.prune else candidate
         root = np.ones(self.rounds, dtype=np.int64)
-        return self.score(kept, self._fed_widths(fed, root), costs, gated)
+        if chains is None:
+            kept = self._verify(s, candidate, rule) if rule.prune else candidate
+            return self.score(kept, self._fed_widths(fed, root), costs, gated)
+        kept, chained = self._verify(s, candidate, rule, chains, chain_survival)
+        return self.score(kept, self._fed_widths(fed, root), costs, gated, chains, chained)
 
     def _counted(self, s: np.ndarray, rule: TreeRule) -> tuple[np.ndarray, np.ndarray]:
         """The sampling rule's tree of every round: ([n] rows drafted and verified, [n] rows
@@ -218,9 +236,11 @@ class TreeReplay:
             table.append(tuple(float(x) for x in np.minimum.accumulate(rate)))
         return tuple(table)
 
-    def _verify(self, s: np.ndarray, candidate: np.ndarray, rule: TreeRule) -> np.ndarray:
+    def _verify(self, s: np.ndarray, candidate: np.ndarray, rule: TreeRule,
+                chains: LookupChains | None = None, chain_survival: np.ndarray | None = None):
         """`tree_rule.verify_set` of every round at once: the n best candidates by the closed
-        survival, n maximising sum(s) - rho * verify_cost[1 + n]."""
+        survival (the drafted rows, then the chain's), n maximising sum(s) - rho *
+        verify_cost[1 + n]; [n] kept rows, and with `chains` also [m] kept chain rows."""
         key = np.where(candidate, s, -np.inf)
         for d in range(1, self.max_depth + 1):
             rows = np.flatnonzero(self.level == d)
@@ -228,10 +248,16 @@ class TreeReplay:
             key[inner] = np.minimum(key[inner], key[self.parent_row[inner]])
             key[rows] = pd.Series(key[rows]).groupby(self.sibling_group[rows]).cummin().to_numpy()
         rows = np.flatnonzero(candidate)
-        order = rows[np.lexsort((rows, -key[rows], self.round_index[rows]))]
-        rounds = self.round_index[order]
+        ids, keys, rounds, survival = rows, key[rows], self.round_index[rows], s[rows]
+        if chains is not None:  # a chain's survival never rises along it: its own closed key
+            ids = np.concatenate([ids, len(s) + np.arange(len(chains))])
+            keys = np.concatenate([keys, chain_survival])
+            rounds = np.concatenate([rounds, chains.round_index])
+            survival = np.concatenate([survival, chain_survival])
+        order = np.lexsort((ids, -keys, rounds))
+        rounds = rounds[order]
         position = pd.Series(rounds).groupby(rounds).cumcount().to_numpy() + 1
-        gain = pd.Series(s[order]).groupby(rounds).cumsum().to_numpy()
+        gain = pd.Series(survival[order]).groupby(rounds).cumsum().to_numpy()
         cost = np.array([rule.cost(1 + k) for k in range(int(position.max(initial=0)) + 1)])
         # cost[k]: a pass over the root and k nodes
         value = gain - rule.rho * cost[position]
@@ -242,9 +268,9 @@ class TreeReplay:
         first = np.full(self.rounds, np.iinfo(np.int64).max)
         np.minimum.at(first, rounds[hit], position[hit])
         chosen = np.where(best > nothing, first, 0)
-        kept = np.zeros(len(s), dtype=bool)
-        kept[order[position <= chosen[rounds]]] = True
-        return kept
+        kept = np.zeros(len(s) + (0 if chains is None else len(chains)), dtype=bool)
+        kept[ids[order[position <= chosen[rounds]]]] = True
+        return kept if chains is None else (kept[: len(s)], kept[len(s):])
 
     def oracle(self, costs: TreeCosts, iterations: int = 10) -> TreeResult:
         """Per round, the prefix of the accepted path (or nothing) maximising tokens - rho *

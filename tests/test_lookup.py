@@ -109,14 +109,14 @@ def test_lookup_stops_at_eos_and_within_the_budget(target: torch.nn.Module) -> N
 
 def branch_of(chain_source: list[int], levels: int = 3) -> tuple[Tree, Proposal]:
     """A drafted tree root 10 -> (11 -> 13, 12 -> 14) with the lookup branch of a text that ends
-    before the root and holds `chain_source` after an earlier 10."""
+    with the root and holds `chain_source` after an earlier 10."""
     tree = Tree.from_parents([-1, 0, 0, 1, 2])
     q = torch.softmax(torch.randn(3, 30, generator=torch.Generator().manual_seed(0)), dim=1)
     proposal = Proposal(tokens=torch.tensor([10, 11, 12, 13, 14]), depth=2, root_position=7,
                         q=q, features=(), fed=torch.tensor([0, 1, 2, -1, -1]), steps=2,
                         drafted=4)
-    lookup = Lookup([10, *chain_source, 5])
-    return with_lookup_branch(tree, proposal, lookup, levels)
+    lookup = Lookup([10, *chain_source, 5, 10])
+    return with_lookup_branch(tree, proposal, lookup.chain(levels))
 
 
 def test_the_lookup_branch_goes_last_in_each_level() -> None:
@@ -127,11 +127,6 @@ def test_the_lookup_branch_goes_last_in_each_level() -> None:
     assert proposal.depth == 3 and proposal.q.shape == (7, 30)
     assert proposal.q[3].argmax() == 21 and proposal.q[6].argmax() == 22  # one-hot
     assert proposal.q[4:6].sum() == 0 and proposal.q[6].sum() == 1  # leaves of the draft
-
-
-def test_no_lookup_branch_beside_a_drafted_sibling_with_its_token() -> None:
-    tree, proposal = branch_of([12, 21])
-    assert tree.parent.tolist() == [-1, 0, 0, 1, 2] and proposal.depth == 2
 
 
 def test_a_lookup_branch_is_for_greedy_tree_rounds_only() -> None:

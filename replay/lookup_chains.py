@@ -1,0 +1,51 @@
+"""The logged lookup chains (`collection.rows.LOOKUP_SCHEMA`) of the replayed greedy rounds.
+
+Greedy `tree` rounds with a lookup branch add the chain below the root unless the draft proposed
+its first token there (`beside_draft`); `verify_set` keeps the prefix of it that pays.  A chain
+row is accepted iff it and the rows before it are the text's (label 1): whatever else the round
+verifies, so the replay scores any prefix exactly, as it does the drafted rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from specstop.collection.data import ROUND_KEYS
+from specstop.decoder.lookup import LOOKUP_FEATURES, LookupModel
+
+
+@dataclass(frozen=True)
+class LookupChains:
+    """Chain rows [m], each chain's rows in order, of the rounds of a replay."""
+
+    round_index: np.ndarray  # [m] the replay's round (`TreeReplay.round_index` numbering)
+    position: np.ndarray  # [m] 1 = below the root
+    features: np.ndarray  # [m, len(LOOKUP_FEATURES)] float64
+    accepted: np.ndarray  # [m] bool, label 1
+
+    @classmethod
+    def from_rows(cls, chains: pd.DataFrame, rounds: pd.DataFrame) -> "LookupChains":
+        """The chains of `rounds` (the replay's rows: ROUND_KEYS in the order its rounds are
+        numbered) the runtime would add, rows of every other round dropped."""
+        keys = rounds[ROUND_KEYS].astype({"prompt_id": str}).drop_duplicates()
+        keys = keys.assign(replay_round=np.arange(len(keys)))
+        added = chains[~chains["beside_draft"].to_numpy(bool)].astype({"prompt_id": str})
+        joined = added.merge(keys, on=ROUND_KEYS, how="inner", sort=False)
+        joined = joined.sort_values(["replay_round", "position"], kind="stable")
+        return cls(joined["replay_round"].to_numpy(np.int64),
+                   joined["position"].to_numpy(np.int64),
+                   joined[list(LOOKUP_FEATURES)].to_numpy(np.float64),
+                   joined["label"].to_numpy() == 1)
+
+    def __len__(self) -> int:
+        return len(self.round_index)
+
+    def survival(self, model: LookupModel | None) -> np.ndarray:
+        """[m] each row's survival: the product of the model's p along its chain (None: 1)."""
+        if model is None:
+            return np.ones(len(self))
+        p = pd.Series(model.probabilities(self.features))
+        return p.groupby(self.round_index, sort=False).cumprod().to_numpy()
