@@ -191,7 +191,8 @@ def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
                  "static-tree": trees["static_tree"]["simulated_speedup"],
                  "tree+confidence": trees["confidence_tree"]["simulated_speedup"],
                  "tree+stop_model": _tree_speedup(winner.meta),
-                 **{f"tree+{f}": _tree_speedup(p.meta) for f, p in families.items()}}
+                 **{f"tree+{f}": _tree_speedup(p.meta) for f, p in families.items()},
+                 **_lookup_speedups(train["replay"].get("lookup") or {}, family)}
     sampled = (train["replay"].get("sampling") or {}).get("policies", {})
     simulated_sampling = {"static-tree": sampled.get("static_tree", {}).get("simulated_speedup"),
                           "tree+stop_model": winner.meta.get("sampling_tree_speedup")}
@@ -208,6 +209,17 @@ def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
                 peer_draft=peer, peer_note=note,
                 peer_gamma=int(measured.get("best_gamma") or sd_gamma)
                 if peer != models.draft else sd_gamma)
+
+
+def _lookup_speedups(lookup: dict, family: str) -> dict[str, float]:
+    """The replayed speeds of `tree+stop_model+lookup` (the winner's tree with the lookup
+    chain) and `lookup` alone, where train replayed the logged chains."""
+    out = {}
+    if family in lookup.get("policies", {}):
+        out["tree+stop_model+lookup"] = lookup["policies"][family]["simulated_speedup"]
+    if lookup.get("alone"):
+        out["lookup"] = lookup["alone"]["simulated_speedup"]
+    return out
 
 
 def _tree_speedup(meta: dict) -> float:

@@ -85,7 +85,10 @@ class TreeComparison(Ranking):
         """This comparison with the lookup's model fitted on the train `chains` and every
         dynamic tree (`families`, the confidence tree) replayed with val's chains beside it."""
         model, fitted = lookup_model.fit(chains)
-        val = LookupChains.from_rows(chains[chains["split"] == "val"], self.replay_rows)
+        logged = LookupChains.from_rows(chains[chains["split"] == "val"], self.replay_rows)
+        val = LookupChains.from_rows(chains[(chains["split"] == "val")
+                                            & ~chains["beside_draft"].to_numpy(bool)],
+                                     self.replay_rows)  # the chains a tree round adds
         policies = {}
         for name, (p, latency) in families.items():
             costs = _tree_costs(self.costs, self.replay, latency)
@@ -98,8 +101,8 @@ class TreeComparison(Ranking):
                               "learned_vs_certain": learned / certain}
         metrics = {"model": None if model is None else model.as_dict(), **fitted,
                    "chains": int(len(np.unique(val.round_index))), "rounds": self.replay.rounds,
-                   "alone": _lookup_alone(self.replay, val, _tree_costs(self.costs, self.replay,
-                                                                         0.0)),
+                   "alone": _lookup_alone(self.replay, logged,
+                                          _tree_costs(self.costs, self.replay, 0.0)),
                    "policies": policies}
         if self.winner is not None:
             metrics["winner"] = {"family": self.winner, **policies[self.winner]}

@@ -1,7 +1,8 @@
 """The logged lookup chains (`collection.rows.LOOKUP_SCHEMA`) of the replayed greedy rounds.
 
 Greedy `tree` rounds with a lookup branch add the chain below the root unless the draft proposed
-its first token there (`beside_draft`); `verify_set` keeps the prefix of it that pays.  A chain
+its first token there (`beside_draft`: the caller leaves those out); `verify_set` keeps the
+prefix of it that pays; `lookup` alone verifies every chain whole.  A chain
 row is accepted iff it and the rows before it are the text's (label 1): whatever else the round
 verifies, so the replay scores any prefix exactly, as it does the drafted rows.
 """
@@ -28,12 +29,12 @@ class LookupChains:
 
     @classmethod
     def from_rows(cls, chains: pd.DataFrame, rounds: pd.DataFrame) -> "LookupChains":
-        """The chains of `rounds` (the replay's rows: ROUND_KEYS in the order its rounds are
-        numbered) the runtime would add, rows of every other round dropped."""
+        """The `chains` of `rounds` (the replay's rows: ROUND_KEYS in the order its rounds are
+        numbered), rows of every other round dropped."""
         keys = rounds[ROUND_KEYS].astype({"prompt_id": str}).drop_duplicates()
         keys = keys.assign(replay_round=np.arange(len(keys)))
-        added = chains[~chains["beside_draft"].to_numpy(bool)].astype({"prompt_id": str})
-        joined = added.merge(keys, on=ROUND_KEYS, how="inner", sort=False)
+        joined = chains.astype({"prompt_id": str}).merge(keys, on=ROUND_KEYS, how="inner",
+                                                         sort=False)
         joined = joined.sort_values(["replay_round", "position"], kind="stable")
         return cls(joined["replay_round"].to_numpy(np.int64),
                    joined["position"].to_numpy(np.int64),
