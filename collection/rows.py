@@ -9,13 +9,16 @@ is min(1, p/q), `accept_prob` the exact chance the token is accepted at its pare
 the parent was and its earlier siblings were not (`decoder.verify.acceptance`; every row, under
 greedy decoding the hard label where there is one).
 
-Greedy prompts also log the lookup chain of every round (`LOOKUP_SCHEMA`, one row per chain
-token, `lookup/<part>.parquet` beside the part): the chain a greedy `tree` round with a lookup
-branch would add below its root, its features (`decoder.lookup.LOOKUP_FEATURES`) and its labels,
-read off the text the round's prompt went on to (greedy decoding emits the target's arg-max
-whatever is proposed, so token j of a chain is accepted iff it and the tokens before it are the
-text's; -1 after a rejection or past the text's end).  `beside_draft` marks a chain whose first
-token the draft proposed at the root, which the runtime leaves out.
+Greedy prompts also log the lookup chain below every token of the text (`LOOKUP_SCHEMA`, one
+row per chain token, `lookup/<part>.parquet` beside the part): the chain a round whose root is
+that token would propose (`emitted`: the tokens out once it is; `round`: the logged round whose
+root it is, -1 for none), its features (`decoder.lookup.LOOKUP_FEATURES`) and its labels, read
+off the text the prompt went on to (greedy decoding emits the target's arg-max whatever is
+proposed, so token j of a chain is accepted iff it and the tokens before it are the text's; -1
+after a rejection or past the text's end).  The rounds' chains are what a greedy `tree` round
+with a lookup branch adds; every token's, what `lookup` alone meets walking the text.
+`beside_draft` marks a round's chain whose first token the draft proposed at the root, which the
+runtime leaves out.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ LABEL_COLUMNS = [
 ROW_SCHEMA = pa.schema(ID_COLUMNS + [(f.name, pa.float32()) for f in FEATURES] + LABEL_COLUMNS,
                        metadata={"feature_schema_version": str(SCHEMA_VERSION)})
 LOOKUP_SCHEMA = pa.schema([("prompt_id", pa.string()), ("split", pa.string()),
-                           ("round", pa.int32()), ("token", pa.int32()), ("label", pa.int8()),
+                           ("round", pa.int32()), ("emitted", pa.int32()),
+                           ("text_tokens", pa.int32()), ("token", pa.int32()), ("label", pa.int8()),
                            ("beside_draft", pa.bool_()),
                            *[(name, pa.float32()) for name in LOOKUP_FEATURES]])  # position
 # (1 = below the root) among them
@@ -105,16 +109,17 @@ class RoundLogger:
         c["q_draft"] += record.q_draft.tolist()
 
     def finish(self, prompt: list[int], text: list[int], chain_tokens: int, ngram: int) -> None:
-        """Log the lookup chain of each round of the prompt just decoded (greedy): `prompt` its
-        tokens, `text` the tokens it went on to, chains of up to `chain_tokens` tokens matched
-        on n-grams of up to `ngram` tokens."""
-        lookup, committed, c = Lookup(prompt, ngram), 0, self.lookup_columns
-        for round_index, emitted, root_children in self.rounds:
-            lookup.extend(text[committed:emitted])  # the text up to the round's root
-            committed = emitted
+        """Log the lookup chain below each token of the text of the prompt just decoded
+        (greedy): `prompt` its tokens, `text` the tokens it went on to, chains of up to
+        `chain_tokens` tokens matched on n-grams of up to `ngram` tokens."""
+        rounds = {emitted: (index, children) for index, emitted, children in self.rounds}
+        lookup, c = Lookup(prompt, ngram), self.lookup_columns
+        for emitted, root in enumerate(text, start=1):
+            lookup.extend([root])  # the text up to the root
             match = lookup.match(chain_tokens)
             if not match.tokens:
                 continue
+            round_index, root_children = rounds.get(emitted, (-1, []))
             k, truth = len(match.tokens), text[emitted : emitted + len(match.tokens)]
             labels, alive = [], True
             for j, token in enumerate(match.tokens):
@@ -124,6 +129,8 @@ class RoundLogger:
             c["prompt_id"] += [self.prompt_id] * k
             c["split"] += [self.split] * k
             c["round"] += [round_index] * k
+            c["emitted"] += [emitted] * k
+            c["text_tokens"] += [len(text)] * k
             c["token"] += match.tokens
             c["label"] += labels
             c["beside_draft"] += [match.tokens[0] in root_children] * k

@@ -7,7 +7,7 @@ family's tree also gets its round gate, or `ar` where nothing drafting beats it
 (`models.round_gate`): the winner is reported against `ar` (speedup 1).  With the logged
 lookup chains, the lookup's decision model (`models.lookup_model`) is fitted on train's, and
 each dynamic tree is replayed with the chain as one more source (its rule as tuned), with the
-chain's survival learned and certain, beside `lookup` alone.
+chain's survival learned and certain, beside `lookup` alone (walked along the val texts).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from specstop.decoder.tree_rule import TreeRule
 
 from specstop.collection.data import ROUND_KEYS
 from specstop.evaluation import plots
-from specstop.replay.lookup_chains import LookupChains
+from specstop.replay.lookup_chains import LookupChains, lookup_alone
 from specstop.replay.tree_replay import (WIDTH_GRID, TreeCosts, TreeReplay, TreeResult, Tuned,
                                          best_static, sequoia, tune_dynamic, tune_sampling)
 
@@ -83,26 +83,31 @@ class TreeComparison(Ranking):
     def with_lookup(self, chains: pd.DataFrame, families: dict[str, tuple[np.ndarray, float]]
                     ) -> "TreeComparison":
         """This comparison with the lookup's model fitted on the train `chains` and every
-        dynamic tree (`families`, the confidence tree) replayed with val's chains beside it."""
+        dynamic tree (`families`, the confidence tree) replayed with val's chains beside it,
+        behind its round gate (a gated round proposes the root alone, as the runtime's)."""
         model, fitted = lookup_model.fit(chains)
-        logged = LookupChains.from_rows(chains[chains["split"] == "val"], self.replay_rows)
-        val = LookupChains.from_rows(chains[(chains["split"] == "val")
-                                            & ~chains["beside_draft"].to_numpy(bool)],
+        on_val = chains[chains["split"] == "val"]
+        val = LookupChains.from_rows(on_val[~on_val["beside_draft"].to_numpy(bool)],
                                      self.replay_rows)  # the chains a tree round adds
         policies = {}
         for name, (p, latency) in families.items():
             costs = _tree_costs(self.costs, self.replay, latency)
             rule, without = self.rules[name], self.tuned[name].result.speedup
-            learned, certain = (self.replay.dynamic(p, rule, costs, chains=val,
-                                                    chain_survival=val.survival(m)).speedup
+            gate = self.gates[name].gate if name in self.gates else None
+            off = None if gate is None else ~gate.drafting(self.gate_features)  # the root
+            # alone, no chain (as the runtime's gated rounds)
+            if off is not None:
+                without = self.gates[name].result.speedup
+            learned, certain = (self.replay.dynamic(p, rule, costs, off, val,
+                                                    val.survival(m)).speedup
                                 for m in (model, None))
             policies[name] = {"simulated_speedup": learned, "with_vs_without": learned / without,
                               "certain_chain_speedup": certain,
                               "learned_vs_certain": learned / certain}
         metrics = {"model": None if model is None else model.as_dict(), **fitted,
                    "chains": int(len(np.unique(val.round_index))), "rounds": self.replay.rounds,
-                   "alone": _lookup_alone(self.replay, logged,
-                                          _tree_costs(self.costs, self.replay, 0.0)),
+                   "alone": lookup_alone(on_val, _tree_costs(self.costs, self.replay,
+                                                             0.0).verify),
                    "policies": policies}
         if self.winner is not None:
             metrics["winner"] = {"family": self.winner, **policies[self.winner]}
@@ -215,17 +220,6 @@ def compare(train: pd.DataFrame, val: pd.DataFrame, costs: CostModel, q_token: n
     if chains is not None and len(chains):
         return comparison.with_lookup(chains, {CONFIDENCE_TREE: (q_token, 0.0), **families})
     return comparison
-
-
-def _lookup_alone(replay: TreeReplay, chains: LookupChains, costs: TreeCosts) -> dict:
-    """`lookup` alone on the replayed rounds: each round verifies its whole chain (the root
-    alone without one), nothing drafted."""
-    length = np.bincount(chains.round_index, minlength=replay.rounds)
-    accepted = np.bincount(chains.round_index, chains.accepted, minlength=replay.rounds)
-    cost = costs.verify[1 + np.minimum(length, len(costs.verify) - 2)]
-    return {"simulated_speedup": float((1 + accepted).sum() / cost.sum()),
-            "tokens_per_call": float((1 + accepted).mean()),
-            "verified_nodes": float(length.mean())}
 
 
 def _tree_costs(costs: CostModel, replay: TreeReplay, latency: float) -> TreeCosts:

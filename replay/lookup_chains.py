@@ -2,7 +2,10 @@
 
 Greedy `tree` rounds with a lookup branch add the chain below the root unless the draft proposed
 its first token there (`beside_draft`: the caller leaves those out); `verify_set` keeps the
-prefix of it that pays; `lookup` alone verifies every chain whole.  A chain
+prefix of it that pays.  `lookup` alone verifies every chain whole, and since collect logs the
+chain below every token of the text, it is walked along each text exactly (`lookup_alone`):
+its rounds start where its own accepted chains end, not where the logged rounds did (a round
+that copies ten tokens is one round, not one per logged round inside them).  A chain
 row is accepted iff it and the rows before it are the text's (label 1): whatever else the round
 verifies, so the replay scores any prefix exactly, as it does the drafted rows.
 """
@@ -50,3 +53,24 @@ class LookupChains:
             return np.ones(len(self))
         p = pd.Series(model.probabilities(self.features))
         return p.groupby(self.round_index, sort=False).cumprod().to_numpy()
+
+
+def lookup_alone(chains: pd.DataFrame, verify: np.ndarray) -> dict:
+    """`lookup` alone walked along each prompt's text (`chains`: every logged chain row of the
+    prompts, greedy): a round whose root is the text's token e - 1 verifies its whole chain
+    (`verify` [n]: a pass over n tokens, in `ar` steps), emits the root and the accepted
+    prefix, and the next round's root is the text's next token; speed vs `ar` (speedup 1)."""
+    tokens = cost = rounds = verified = 0.0
+    for _, prompt in chains.groupby("prompt_id", sort=False, observed=True):
+        starts = prompt.groupby("emitted", sort=False)
+        length = starts.size().to_dict()
+        accepted = starts["label"].agg(lambda labels: int((labels == 1).sum())).to_dict()
+        emitted, end = 1, int(prompt["text_tokens"].iloc[0])
+        while emitted <= end:
+            a, n = accepted.get(emitted, 0), length.get(emitted, 0)
+            tokens, cost = tokens + 1 + a, cost + verify[1 + n]
+            rounds, verified = rounds + 1, verified + n
+            emitted += 1 + a
+    return {"simulated_speedup": tokens / cost if cost else None,
+            "tokens_per_call": tokens / rounds if rounds else None,
+            "verified_nodes": verified / rounds if rounds else None}

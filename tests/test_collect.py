@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -22,10 +23,12 @@ from specstop.decoder.loop import DecodeConfig, generate
 from specstop.decoder.policy import FixedDepth
 from specstop.common.errors import DataError
 from specstop.collection import data
-from specstop.collection.rows import RoundLogger, read_part, read_parts, write_part
+from specstop.collection.rows import (LOOKUP, RoundLogger, read_lookup_rows, read_part,
+                                      read_parts, write_part)
 from specstop.common.errors import SpecstopError
 from specstop.common.params import validate
 from specstop.pipeline import collect
+from specstop.replay.lookup_chains import lookup_alone
 
 from conftest import perturbed_copy, tiny_llama, write_chat_prompts
 
@@ -55,6 +58,9 @@ def test_collect_writes_labelled_rows_and_resumes(tiny_target, tmp_path, monkeyp
     out = Path(params["collect"]["out"])
     parts = sorted((out / "parts").glob("*.parquet"))
     assert [p.stem for p in parts] == ["train-00000", "train-00001", "train-00002", "val-00000"]
+    assert sorted(p.stem for p in (out / "parts" / LOOKUP).glob("*.parquet")) == \
+        [p.stem for p in parts]  # greedy parts log their lookup chains beside them
+    assert set(read_lookup_rows(out)["split"]) <= {"train", "val"}
     first = sorted_rows(out)
     table = read_parts(out)
     labels = table.column("label").to_numpy()
@@ -221,3 +227,53 @@ def test_reading_bad_parts_gives_clear_errors(tmp_path):
         read_parts(tmp_path / "empty")
     with pytest.raises(DataError, match="file not found"):
         read_part(tmp_path / "missing.parquet")
+
+
+def test_lookup_rows_label_each_chain_by_the_targets_argmax():
+    """The chain logged below each token of the text (a round's root or not) is labelled as a
+    greedy pass over the chain would verify it: token j accepted iff the target's arg-max after
+    the text and the chain's tokens before j is token j; -1 after a rejection or past the decoded
+    text.  `lookup` alone walked along the logged chains (`replay.lookup_chains.lookup_alone`)
+    accepts what the runtime's `lookup` method accepts, in as many rounds."""
+    target = tiny_llama(0)
+    draft = perturbed_copy(target, 0.6, seed=1)
+    config = DecodeConfig(method="mcsd", max_new_tokens=24, max_depth=3, mcsd_branching=(2,))
+    alone = DecodeConfig(method="lookup", max_new_tokens=24, max_depth=5)
+    g = torch.Generator().manual_seed(0)
+    checked = accepted = rounds_checked = 0
+    for i in range(5):
+        prompt = torch.randint(0, 97, (int(torch.randint(2, 6, (1,), generator=g)),),
+                               generator=g).repeat(3)
+        logger = RoundLogger()
+        logger.start(f"p{i}", "train")
+        text = generate(KVModel(target), ModelDrafter(KVModel(draft)), prompt, config,
+                        FixedDepth(3), hook=logger).tokens
+        logger.finish(prompt.tolist(), text, chain_tokens=5, ngram=2)
+        rows = logger.lookup_table().to_pandas()
+        rounds = {emitted: (index, children) for index, emitted, children in logger.rounds}
+        for emitted, chain in rows.groupby("emitted"):
+            tokens = chain["token"].tolist()
+            context = prompt.tolist() + text[:emitted]
+            with torch.no_grad():
+                logits = target(torch.tensor([context + tokens])).logits[0]
+            argmax = logits[len(context) - 1 :].argmax(-1).tolist()
+            alive = True
+            for j, (token, label) in enumerate(zip(tokens, chain["label"])):
+                truth = int(argmax[j] == token) if alive else -1
+                if emitted + j >= len(text):  # past the decoded text: not known
+                    truth = -1
+                assert label == truth, (i, emitted, j)
+                alive = alive and argmax[j] == token
+                checked += label >= 0
+                accepted += label == 1
+            index, children = rounds.get(emitted, (-1, []))
+            assert (chain["round"] == index).all() and (chain["text_tokens"] == len(text)).all()
+            assert chain["beside_draft"].all() == (index >= 0 and tokens[0] in children)
+            rounds_checked += index >= 0
+        run = generate(KVModel(target), None, prompt, alone, FixedDepth(5))
+        walked = lookup_alone(rows, np.ones(16))  # every pass costs 1: tokens per round
+        walked_rounds = round(len(text) / walked["tokens_per_call"])
+        assert len(text) - walked_rounds == run.stats.accepted  # the same accepted tokens
+        # the runtime's last root may fill the budget without a pass of its own
+        assert walked_rounds - (run.stats.target_calls - 1) in (0, 1)
+    assert checked > accepted > 0 and rounds_checked > 0

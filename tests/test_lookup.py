@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from specstop.decoder.contracts import Proposal
 from specstop.decoder.drafter import ModelDrafter
 from specstop.decoder.kv import KVModel
-from specstop.decoder.lookup import Lookup, with_lookup_branch
+from specstop.decoder.dynamic import propose_tree
+from specstop.decoder.lookup import (LOOKUP_FEATURES, RECENT_WEIGHT, Lookup, LookupBranch,
+                                     LookupModel, with_lookup_branch)
 from specstop.decoder.loop import DecodeConfig, DecodeStats, generate
 from specstop.decoder.policy import ConfidenceTree, FixedDepth
 from specstop.decoder.sampling import Sampling
 from specstop.decoder.tree import Tree
 from specstop.decoder.tree_rule import TreeRule
+from specstop.features import RoundContext
 
 from conftest import perturbed_copy, tiny_llama
 
@@ -62,6 +66,38 @@ def test_incremental_index_equals_a_full_rescan() -> None:
             tokens += more
             k = rng.randint(1, 6)
             assert lookup.chain(k) == rescanned(tokens, k, max_ngram, min_ngram), (trial, tokens)
+
+
+def test_match_features_equal_a_rescan_of_the_text() -> None:
+    """What a match knows (the n-gram length, the gap to its end, the EMA of the next-token
+    guesses that were right) equals a rescan of the whole text, token by token."""
+    rng = random.Random(1)
+    for trial in range(100):
+        max_ngram = rng.randint(1, 3)
+        tokens = [rng.randrange(3) for _ in range(rng.randint(0, 30))]
+        lookup, recent = Lookup(tokens, max_ngram), 0.0
+        for i, token in enumerate(tokens):
+            guess = rescanned(tokens[:i], 1, max_ngram, 1)
+            recent += RECENT_WEIGHT * (float(guess == [token]) - recent)
+        match = lookup.match(4)
+        assert match.recent == pytest.approx(recent, abs=1e-12), trial
+        assert match.tokens == rescanned(tokens, 4, max_ngram, 1)
+        if match.tokens:
+            n, gap = match.ngram, match.gap
+            assert tokens[-n:] == tokens[-n - gap : -gap] and match.tokens[0] == tokens[-gap]
+            assert rescanned(tokens, 4, n, n) == match.tokens  # the longest that matched
+        features = match.features()
+        assert features.shape == (len(match.tokens), len(LOOKUP_FEATURES))
+        assert features[:, 0].tolist() == list(range(1, len(match.tokens) + 1))
+
+
+def test_a_lookup_model_is_refused_on_other_features() -> None:
+    model = LookupModel((0.1, 0.2, 0.3, 0.4), -1.0)
+    assert LookupModel.from_dict(model.as_dict()) == model
+    with pytest.raises(ValueError, match="features"):
+        LookupModel.from_dict({**model.as_dict(), "features": ["position", "ngram"]})
+    with pytest.raises(ValueError, match="finite"):
+        LookupModel((0.1, 0.2, float("nan"), 0.4), 0.0)
 
 
 def test_ngram_sizes_are_checked() -> None:
@@ -142,18 +178,84 @@ RULE = TreeRule((2, 1, 1), expand=0.0, rho=0.0, max_width=2,
                 verify_cost=(0.0, *(1.0 + 1e-4 * i for i in range(16))))
 
 
-def test_greedy_tree_with_a_lookup_branch_equals_ar(target: torch.nn.Module) -> None:
+class FixedDraft:
+    """A draft whose every step proposes 11 (most likely), then 12, whatever it is fed."""
+
+    def step(self, tree: Tree, level: int, ids: torch.Tensor, root_position: int
+             ) -> torch.Tensor:
+        logits = torch.full((30,), -20.0)
+        logits[11], logits[12] = 3.0, 2.0
+        return logits.expand(ids.shape[0], -1)
+
+
+def proposed_with(branch: LookupBranch) -> list[int]:
+    """The tokens a greedy tree round verifies below root 10 with `branch` beside the draft's
+    (two children of the root, one level; a pass over n tokens costs 1 + 0.1 (n - 1))."""
+    rule = TreeRule((2,), expand=0.0, rho=1.0, max_width=2,
+                    verify_cost=(0.0, *(1.0 + 0.1 * i for i in range(10))))
+    context = RoundContext(1, 0, 0.0, 0.0, torch.zeros(2))
+    _, proposal, _ = propose_tree(FixedDraft(), ConfidenceTree(rule), torch.tensor([10]),
+                                  torch.full((30,), 1 / 30), 5, 3, context, Sampling(), True,
+                                  None, branch)
+    return proposal.tokens.tolist()
+
+
+def test_verify_set_keeps_the_prefix_of_the_chain_that_pays() -> None:
+    """The chain's survivals compete with the drafted nodes' in `verify_set` (a node pays when
+    its survival exceeds rho times the cost it adds, 0.1): all, a prefix or none of it is kept,
+    and none beside a drafted child of the root with its first token."""
+    assert proposed_with(LookupBranch([20, 21, 22], np.array([0.9, 0.8, 0.5]))) == \
+        [10, 11, 12, 20, 21, 22]
+    assert proposed_with(LookupBranch([20, 21, 22], np.array([0.9, 0.05, 0.01]))) == \
+        [10, 11, 12, 20]
+    assert proposed_with(LookupBranch([20, 21], np.array([0.02, 0.01]))) == [10, 11, 12]
+    assert proposed_with(LookupBranch([12, 21], np.array([1.0, 1.0]))) == [10, 11, 12]
+
+
+# Verify every drafted node below a root with up to two children (a pass of n tokens costs
+# 1 + 1e-4 (n - 1) target steps).
+RULE = TreeRule((2, 1, 1), expand=0.0, rho=0.0, max_width=2,
+                verify_cost=(0.0, *(1.0 + 1e-4 * i for i in range(32))))
+# a lookup model on (position, ngram, log_gap, recent) between the two: the first tokens of a
+# recent, repeating text likely, the later ones less
+MODERATE = LookupModel((-0.8, 0.5, -0.2, 2.0), 0.5)
+
+
+def greedy_runs(target: torch.nn.Module, lookup_model: LookupModel | None, branch: bool,
+                rho: float = 0.0) -> tuple[list[list[int]], DecodeStats]:
+    """Greedy tree decodes of the repetitive prompts (their tokens, summed stats)."""
     draft = perturbed_copy(target, 0.6, seed=1)
-    config = DecodeConfig(method="tree", max_new_tokens=40, max_depth=6)
-    stats = {False: DecodeStats(), True: DecodeStats()}
+    config = DecodeConfig(method="tree", max_new_tokens=40, max_depth=6, lookup_branch=branch)
+    rule = TreeRule(RULE.branching, RULE.expand, rho, RULE.max_width, RULE.verify_cost)
+    stats, outputs = DecodeStats(), []
     for prompt in repetitive_prompts(6):
-        reference = generate(KVModel(target), None, prompt,
-                             DecodeConfig(method="ar", max_new_tokens=40)).tokens
-        for branch in stats:
-            out = generate(KVModel(target), ModelDrafter(KVModel(draft)), prompt,
-                           DecodeConfig(**{**config.__dict__, "lookup_branch": branch}),
-                           ConfidenceTree(RULE))
-            assert out.tokens == reference, (branch, prompt.tolist())
-            stats[branch].add(out.stats)
-    assert stats[True].accepted > stats[False].accepted  # the branch is taken
-    assert stats[True].verified_tokens > stats[True].drafted_tokens  # it is verified, not drafted
+        out = generate(KVModel(target), ModelDrafter(KVModel(draft)), prompt, config,
+                       ConfidenceTree(rule, lookup_model=lookup_model))
+        outputs.append(out.tokens)
+        stats.add(out.stats)
+    return outputs, stats
+
+
+@pytest.mark.parametrize("lookup_model", [None, MODERATE], ids=["certain", "learned"])
+def test_greedy_tree_with_a_lookup_branch_equals_ar(target: torch.nn.Module,
+                                                    lookup_model: LookupModel | None) -> None:
+    references = [generate(KVModel(target), None, prompt,
+                           DecodeConfig(method="ar", max_new_tokens=40)).tokens
+                  for prompt in repetitive_prompts(6)]
+    without, stats_without = greedy_runs(target, None, branch=False, rho=0.5)
+    with_branch, stats = greedy_runs(target, lookup_model, branch=True, rho=0.5)
+    assert without == references and with_branch == references
+    assert stats.accepted > stats_without.accepted  # the branch is taken
+    assert stats.target_calls < stats_without.target_calls
+
+
+def test_a_chain_the_model_gives_no_chance_is_never_verified(target: torch.nn.Module) -> None:
+    """A lookup model that gives every chain token ~0 survival decodes as no branch does, one
+    that gives ~1 as a certain chain: the survival is what decides."""
+    never, always = LookupModel((0.0,) * 4, -40.0), LookupModel((0.0,) * 4, 40.0)
+    for model, reference in ((never, False), (always, None)):
+        tokens, stats = greedy_runs(target, model, branch=True, rho=0.5)
+        expected_tokens, expected = greedy_runs(target, None, branch=reference is None, rho=0.5)
+        assert tokens == expected_tokens
+        assert (stats.verified_tokens, stats.accepted, stats.target_calls) == \
+            (expected.verified_tokens, expected.accepted, expected.target_calls)

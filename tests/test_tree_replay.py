@@ -8,8 +8,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from specstop.decoder.lookup import LOOKUP_FEATURES, LookupModel
 from specstop.decoder.tree import Tree
 from specstop.decoder.tree_rule import TreeRule, children, feed, verify_set
+from specstop.replay.lookup_chains import LookupChains
 from specstop.replay.tree_replay import (TreeCosts, TreeReplay, best_static, sequoia, shape_nodes,
                                          tune_dynamic)
 
@@ -226,3 +228,92 @@ def test_the_sampling_rule_drafts_the_slots_that_pay_for_their_verification():
     steep = (0.0, 1.0, 1.05, 1.1, 1.15, *(1.15 + 0.5 * n for n in range(1, 9)))
     assert children(s, 1, replace(rule, verify_cost=steep), nodes=4).tolist() == [0, 0, 0]
     assert children(np.ones(1), 0, replace(rule, expand=5.0)).tolist() == [1]
+
+
+def chain_rows(rows: pd.DataFrame, seed: int) -> pd.DataFrame:
+    """A lookup chain of 1-5 tokens in most rounds (LookupChains' columns), accepted as a prefix
+    only where no drafted child of the root was; features drawn at random."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for (prompt_id, round_), rnd in rows.groupby(["prompt_id", "round"], sort=False):
+        if rng.uniform() < 0.2:
+            continue
+        alive = not ((rnd["depth"] == 1) & (rnd["label"] == 1)).any()
+        for j in range(1, int(rng.integers(1, 6)) + 1):
+            hit = alive and rng.uniform() < 0.7
+            out.append({"prompt_id": prompt_id, "round": round_, "split": "val",
+                        "label": 1 if hit else 0 if alive else -1, "beside_draft": False,
+                        "position": float(j), "ngram": float(rng.integers(1, 3)),
+                        "log_gap": float(rng.uniform(0, 5)), "recent": float(rng.uniform())})
+            alive = hit
+    return pd.DataFrame(out)
+
+
+def chain_reference(rows: pd.DataFrame, chains: pd.DataFrame, rule: TreeRule,
+                    model: LookupModel) -> tuple[float, float]:
+    """(tokens, cost) of `reference`'s rounds with each round's chain ranked beside the drafted
+    candidates by `verify_set`, as `dynamic.propose_tree` does (the chain after them)."""
+    tree = Tree(1, BRANCHING)
+    tokens = cost = 0.0
+    for key, rnd in rows.groupby(["prompt_id", "round"], sort=False):
+        by_node = {int(n): row for n, row in zip(rnd["node"], rnd.itertuples())}
+        chain = chains[(chains["prompt_id"] == key[0]) & (chains["round"] == key[1])]
+        s = {0: 1.0}
+        candidates = list(tree.children(0))
+        for c in candidates:
+            s[c] = by_node[c].p
+        fed_widths, level = [1], list(candidates)
+        for d in range(1, int(rnd["depth"].max())):
+            chosen = [c for c, f in zip(level, feed(np.array([s[c] for c in level]), rule)) if f]
+            if not chosen:
+                break
+            fed_widths.append(len(chosen))
+            level = [k for c in chosen for k in tree.children(c)]
+            for k in level:
+                s[k] = s[int(tree.parent[k])] * by_node[k].p
+            candidates += level
+        index = {c: j for j, c in enumerate(candidates)}
+        n, m = len(candidates), len(chain)
+        survival = [s[c] for c in candidates]
+        survival += np.cumprod(model.probabilities(
+            chain[list(LOOKUP_FEATURES)].to_numpy(np.float64))).tolist()
+        parent = [index.get(int(tree.parent[c]), -1) for c in candidates] \
+            + ([-1] + [n + j for j in range(m - 1)] if m else [])
+        previous = [index[c - 1] if int(tree.rank[c]) > 0 else -1 for c in candidates] + [-1] * m
+        keep = verify_set(np.array(survival), np.array(parent), np.array(previous), rule)
+        accepted = [by_node[c].label == 1 for c in candidates] + (chain["label"] == 1).tolist()
+        tokens += 1 + sum(a for a, k in zip(accepted, keep) if k)
+        cost += sum(COSTS.step[w] for w in fed_widths) + COSTS.verify[1 + int(keep.sum())]
+    return tokens, cost
+
+
+@pytest.mark.parametrize("expand,rho,width,bias", [(0.0, 0.0, 8, 0.0), (0.3, 1.0, 2, 1.0),
+                                                   (0.2, 0.7, 3, -1.5), (0.6, 2.5, 1, 3.0)])
+def test_lookup_chain_replay_matches_the_runtime_rule_round_by_round(expand, rho, width, bias):
+    """The replay with a lookup branch (`LookupChains`, `TreeReplay.dynamic(chains=...)`) equals
+    a round-by-round `verify_set` over the drafted candidates and the chain, by the chain's
+    learned survival; a certain chain (survival 1) is scored the same way."""
+    rows = superset_rows(40, seed=3)
+    chains = chain_rows(rows, seed=4)
+    replay = TreeReplay.from_rows(rows, BRANCHING)
+    logged = LookupChains.from_rows(chains, rows)
+    rule = COSTS.rule(BRANCHING, expand, rho, width)
+    model = LookupModel((-0.3, 0.2, -0.1, 1.0), bias)
+    result = replay.dynamic(rows["p"].to_numpy(), rule, COSTS, chains=logged,
+                            chain_survival=logged.survival(model))
+    tokens, cost = chain_reference(rows, chains, rule, model)
+    assert result.speedup == pytest.approx(tokens / cost, rel=1e-12)
+    without = replay.dynamic(rows["p"].to_numpy(), rule, COSTS)
+    assert result.verified > without.verified  # some chain tokens are kept
+    certain = replay.dynamic(rows["p"].to_numpy(), rule, COSTS, chains=logged,
+                             chain_survival=logged.survival(None))
+    assert certain.verified >= result.verified
+
+
+def test_a_lookup_branch_is_replayed_on_greedy_rounds_only():
+    rows = sampled_rows(5, seed=0)
+    replay = TreeReplay.from_rows(rows, BRANCHING)
+    logged = LookupChains.from_rows(chain_rows(superset_rows(5, seed=0), seed=0), rows)
+    with pytest.raises(ValueError, match="greedy rounds only"):
+        replay.dynamic(rows["accept_prob"].to_numpy(), COSTS.rule(BRANCHING, 0.0, 1.0, 2),
+                       COSTS, chains=logged, chain_survival=logged.survival(None))
