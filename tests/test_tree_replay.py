@@ -45,11 +45,14 @@ def superset_rows(rounds: int, seed: int, ease: float = 0.6) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def reference(rows: pd.DataFrame, rule: TreeRule) -> tuple[float, float]:
-    """(tokens, cost) summed over rounds, one round at a time with `feed` and `verify_set`."""
+def reference(rows: pd.DataFrame, rule: TreeRule, chains: pd.DataFrame | None = None,
+              model: LookupModel | None = None) -> tuple[float, float]:
+    """(tokens, cost) summed over rounds, one round at a time with `feed` and `verify_set`; with
+    `chains`, each round's chain ranked beside the drafted candidates by its survival under
+    `model`, as `dynamic.propose_tree` does (the chain after them)."""
     tree = Tree(1, BRANCHING)
     tokens = cost = 0.0
-    for _, rnd in rows.groupby(["prompt_id", "round"], sort=False):
+    for key, rnd in rows.groupby(["prompt_id", "round"], sort=False):
         by_node = {int(n): row for n, row in zip(rnd["node"], rnd.itertuples())}
         cap = int(rnd["depth"].max())
         s = {0: 1.0}
@@ -67,12 +70,21 @@ def reference(rows: pd.DataFrame, rule: TreeRule) -> tuple[float, float]:
                 s[k] = s[int(tree.parent[k])] * by_node[k].p
             candidates += level
         index = {c: j for j, c in enumerate(candidates)}
-        parent = np.array([index.get(int(tree.parent[c]), -1) for c in candidates])
-        previous = np.array([index[c - 1] if int(tree.rank[c]) > 0 else -1 for c in candidates])
-        keep = verify_set(np.array([s[c] for c in candidates]), parent, previous, rule)
-        kept = [c for c, k in zip(candidates, keep) if k]
-        tokens += 1 + sum(by_node[c].label == 1 for c in kept)
-        cost += sum(COSTS.step[w] for w in fed_widths) + COSTS.verify[1 + len(kept)]
+        n = len(candidates)
+        chain = chains[(chains["prompt_id"] == key[0]) & (chains["round"] == key[1])] \
+            if chains is not None else pd.DataFrame({"label": []})
+        m = len(chain)
+        survival = [s[c] for c in candidates]
+        if m:
+            survival += np.cumprod(model.probabilities(
+                chain[list(LOOKUP_FEATURES)].to_numpy(np.float64))).tolist()
+        parent = [index.get(int(tree.parent[c]), -1) for c in candidates] \
+            + ([-1] + [n + j for j in range(m - 1)] if m else [])
+        previous = [index[c - 1] if int(tree.rank[c]) > 0 else -1 for c in candidates] + [-1] * m
+        keep = verify_set(np.array(survival), np.array(parent), np.array(previous), rule)
+        accepted = [by_node[c].label == 1 for c in candidates] + (chain["label"] == 1).tolist()
+        tokens += 1 + sum(a for a, k in zip(accepted, keep) if k)
+        cost += sum(COSTS.step[w] for w in fed_widths) + COSTS.verify[1 + int(keep.sum())]
     return tokens, cost
 
 
@@ -249,44 +261,6 @@ def chain_rows(rows: pd.DataFrame, seed: int) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def chain_reference(rows: pd.DataFrame, chains: pd.DataFrame, rule: TreeRule,
-                    model: LookupModel) -> tuple[float, float]:
-    """(tokens, cost) of `reference`'s rounds with each round's chain ranked beside the drafted
-    candidates by `verify_set`, as `dynamic.propose_tree` does (the chain after them)."""
-    tree = Tree(1, BRANCHING)
-    tokens = cost = 0.0
-    for key, rnd in rows.groupby(["prompt_id", "round"], sort=False):
-        by_node = {int(n): row for n, row in zip(rnd["node"], rnd.itertuples())}
-        chain = chains[(chains["prompt_id"] == key[0]) & (chains["round"] == key[1])]
-        s = {0: 1.0}
-        candidates = list(tree.children(0))
-        for c in candidates:
-            s[c] = by_node[c].p
-        fed_widths, level = [1], list(candidates)
-        for d in range(1, int(rnd["depth"].max())):
-            chosen = [c for c, f in zip(level, feed(np.array([s[c] for c in level]), rule)) if f]
-            if not chosen:
-                break
-            fed_widths.append(len(chosen))
-            level = [k for c in chosen for k in tree.children(c)]
-            for k in level:
-                s[k] = s[int(tree.parent[k])] * by_node[k].p
-            candidates += level
-        index = {c: j for j, c in enumerate(candidates)}
-        n, m = len(candidates), len(chain)
-        survival = [s[c] for c in candidates]
-        survival += np.cumprod(model.probabilities(
-            chain[list(LOOKUP_FEATURES)].to_numpy(np.float64))).tolist()
-        parent = [index.get(int(tree.parent[c]), -1) for c in candidates] \
-            + ([-1] + [n + j for j in range(m - 1)] if m else [])
-        previous = [index[c - 1] if int(tree.rank[c]) > 0 else -1 for c in candidates] + [-1] * m
-        keep = verify_set(np.array(survival), np.array(parent), np.array(previous), rule)
-        accepted = [by_node[c].label == 1 for c in candidates] + (chain["label"] == 1).tolist()
-        tokens += 1 + sum(a for a, k in zip(accepted, keep) if k)
-        cost += sum(COSTS.step[w] for w in fed_widths) + COSTS.verify[1 + int(keep.sum())]
-    return tokens, cost
-
-
 @pytest.mark.parametrize("expand,rho,width,bias", [(0.0, 0.0, 8, 0.0), (0.3, 1.0, 2, 1.0),
                                                    (0.2, 0.7, 3, -1.5), (0.6, 2.5, 1, 3.0)])
 def test_lookup_chain_replay_matches_the_runtime_rule_round_by_round(expand, rho, width, bias):
@@ -301,7 +275,7 @@ def test_lookup_chain_replay_matches_the_runtime_rule_round_by_round(expand, rho
     model = LookupModel((-0.3, 0.2, -0.1, 1.0), bias)
     result = replay.dynamic(rows["p"].to_numpy(), rule, COSTS, chains=logged,
                             chain_survival=logged.survival(model))
-    tokens, cost = chain_reference(rows, chains, rule, model)
+    tokens, cost = reference(rows, rule, chains, model)
     assert result.speedup == pytest.approx(tokens / cost, rel=1e-12)
     without = replay.dynamic(rows["p"].to_numpy(), rule, COSTS)
     assert result.verified > without.verified  # some chain tokens are kept
