@@ -202,12 +202,10 @@ class TreeReplay:
             fed |= ok & (_rank_within(self.round_index, s, ok) < rule.max_width)
             below = (self.level == d + 1) & (self.parent_row >= 0)
             candidate[below] = fed[self.parent_row[below]]
-        root = np.ones(self.rounds, dtype=np.int64)
-        if chains is None:
-            kept = self._verify(s, candidate, rule) if rule.prune else candidate
-            return self.score(kept, self._fed_widths(fed, root), costs, gated)
-        kept, chained = self._verify(s, candidate, rule, chains, chain_survival)
-        return self.score(kept, self._fed_widths(fed, root), costs, gated, chains, chained)
+        kept, chained = self._verify(s, candidate, rule, chains, chain_survival) \
+            if rule.prune else (candidate, None)
+        return self.score(kept, self._fed_widths(fed, np.ones(self.rounds, dtype=np.int64)),
+                          costs, gated, chains, chained)
 
     def _counted(self, s: np.ndarray, rule: TreeRule) -> tuple[np.ndarray, np.ndarray]:
         """The sampling rule's tree of every round: ([n] rows drafted and verified, [n] rows
@@ -237,10 +235,11 @@ class TreeReplay:
         return tuple(table)
 
     def _verify(self, s: np.ndarray, candidate: np.ndarray, rule: TreeRule,
-                chains: LookupChains | None = None, chain_survival: np.ndarray | None = None):
+                chains: LookupChains | None = None, chain_survival: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
         """`tree_rule.verify_set` of every round at once: the n best candidates by the closed
         survival (the drafted rows, then the chain's), n maximising sum(s) - rho *
-        verify_cost[1 + n]; [n] kept rows, and with `chains` also [m] kept chain rows."""
+        verify_cost[1 + n]: ([n] kept rows, [m] kept rows of `chains`, empty without)."""
         key = np.where(candidate, s, -np.inf)
         for d in range(1, self.max_depth + 1):
             rows = np.flatnonzero(self.level == d)
@@ -270,7 +269,7 @@ class TreeReplay:
         chosen = np.where(best > nothing, first, 0)
         kept = np.zeros(len(s) + (0 if chains is None else len(chains)), dtype=bool)
         kept[ids[order[position <= chosen[rounds]]]] = True
-        return kept if chains is None else (kept[: len(s)], kept[len(s):])
+        return kept[: len(s)], kept[len(s):]
 
     def oracle(self, costs: TreeCosts, iterations: int = 10) -> TreeResult:
         """Per round, the prefix of the accepted path (or nothing) maximising tokens - rho *
