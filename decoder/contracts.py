@@ -29,6 +29,14 @@ class Proposal:
     steps: int  # draft steps taken
     drafted: int  # tokens drafted (the tree's below the roots, or more when some were dropped)
 
+    @classmethod
+    def root_alone(cls, roots: torch.Tensor, root_position: int, r: torch.Tensor) -> "Proposal":
+        """The roots [roots] (drawn from r [V]) with nothing drafted below them (`ar`'s round,
+        a round gated off)."""
+        return cls(tokens=roots, depth=0, root_position=root_position,
+                   q=r.new_zeros(0, r.shape[0]), features=(),
+                   fed=torch.full((roots.shape[0],), -1), steps=0, drafted=0)
+
 
 @dataclass(frozen=True)
 class Scores:

@@ -14,7 +14,8 @@ A greedy round's lookup chain (`lookup.LookupBranch`) is one more branch of cand
 root, with survivals of its own: `verify_set` ranks them with the drafted ones and keeps the
 prefix of the chain that pays, placed last in each level of V (`lookup.with_lookup_branch`).  A
 chain whose first token the draft proposed at the root is left out (greedy siblings are
-distinct).
+distinct).  A round the round gate keeps from drafting proposes the root and the prefix of the
+chain that pays alone (`propose_chain`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .lookup import LookupBranch, with_lookup_branch
 from .policy import TreePolicy, decoding_rule
 from .sampling import Sampling, warp
 from .tree import Tree
-from .tree_rule import children, verify_set
+from .tree_rule import TreeRule, children, verify_set
 
 PATH_CONFIDENCE = feature_index("path_confidence")
 
@@ -84,22 +85,52 @@ def propose_tree(
         if frontier.size == 0:
             break
     start = time.perf_counter()
-    survival, parent, previous_sibling = drafted.candidates()
-    n = len(survival)
-    room = len(rule.verify_cost) - 2 - n  # chain tokens the rule prices
-    if branch is not None and room > 0 and branch.tokens[0] not in drafted.root_children():
-        c = min(len(branch.tokens), room)  # candidates n, n + 1, ..., each below the last
-        branch = LookupBranch(branch.tokens[:c], branch.survival[:c])
-        survival = np.concatenate([survival, branch.survival])
-        parent = np.concatenate([parent, [-1], n + np.arange(c - 1)])
-        previous_sibling = np.concatenate([previous_sibling, np.full(c, -1)])
-    keep = verify_set(survival, parent, previous_sibling, rule)
+    branch = None if branch is None or branch.tokens[0] in drafted.root_children() else branch
+    keep, chain = verify_with_chain(*drafted.candidates(), branch, rule)
     decision += time.perf_counter() - start
-    tree, proposal = drafted.verify_proposal(keep[:n], root_position)
-    chained = int(keep[n:].sum())
-    if chained:
-        tree, proposal = with_lookup_branch(tree, proposal, branch.tokens[:chained])
-    return tree, proposal, decision
+    tree, proposal = drafted.verify_proposal(keep, root_position)
+    return (*with_lookup_branch(tree, proposal, chain), decision) if chain else \
+        (tree, proposal, decision)
+
+
+def propose_chain(
+    policy: TreePolicy,
+    root: torch.Tensor,  # [1] long
+    r: torch.Tensor,  # [V] the distribution the root was drawn from
+    root_position: int,
+    branch: LookupBranch,
+) -> tuple[Tree, Proposal, float]:
+    """A greedy round the round gate keeps from drafting: the root and the prefix of the lookup
+    chain `verify_set` keeps (the root alone when none pays), no draft step; returns V, its
+    Proposal and the wall time of the decision."""
+    start = time.perf_counter()
+    none = np.zeros(0, dtype=np.int64)
+    _, chain = verify_with_chain(np.zeros(0), none, none, branch, decoding_rule(policy, True))
+    tree, proposal = Tree.from_parents(np.array([-1])), Proposal.root_alone(root, root_position, r)
+    if chain:
+        tree, proposal = with_lookup_branch(tree, proposal, chain)
+    return tree, proposal, time.perf_counter() - start
+
+
+def verify_with_chain(
+    survival: np.ndarray,  # [n] the drafted candidates' (`DraftedTree.candidates`)
+    parent: np.ndarray,
+    previous_sibling: np.ndarray,
+    branch: LookupBranch | None,  # a chain below the root, its first token not drafted there
+    rule: TreeRule,
+) -> tuple[np.ndarray, list[int]]:
+    """`verify_set` over the drafted candidates and `branch` (candidates n, n + 1, ..., each
+    below the last, capped at the chain tokens the rule prices): ([n] bool drafted candidates
+    kept, the chain's tokens kept: a prefix)."""
+    n = len(survival)
+    room = len(rule.verify_cost) - 2 - n
+    if branch is None or room <= 0:
+        return verify_set(survival, parent, previous_sibling, rule), []
+    c = min(len(branch.tokens), room)
+    keep = verify_set(np.concatenate([survival, branch.survival[:c]]),
+                      np.concatenate([parent, [-1], n + np.arange(c - 1)]),
+                      np.concatenate([previous_sibling, np.full(c, -1)]), rule)
+    return keep[:n], branch.tokens[: int(keep[n:].sum())]
 
 
 def _kept(slots: np.ndarray, drafted: int, device: torch.device) -> torch.Tensor | None:

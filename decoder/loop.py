@@ -5,11 +5,11 @@ State between rounds is the target's KV cache (every committed token) and `r`, t
 the next token is drawn from.  A round (1) draws the root(s) from r, (2) proposes below them as
 the method does (`methods.py`, picked once from the method's name: the static tree drafted level
 by level until the stopping policy or the depth cap says stop, a dynamic tree, the chain an
-n-gram of the text looks up; nothing for `ar`, or for a `tree` round its policy's `round_gate`
-keeps from drafting), (3) `score`s the tree in one target pass under its tree mask, (4)
-`verify`s, (5) `commit`s the accepted path to both caches.  The steps talk through the contracts
-of `contracts.py` (Proposal -> Scores -> Verdict); the policy's decision time comes beside the
-Proposal, not in it.
+n-gram of the text looks up; nothing for `ar`; for a `tree` round its policy's `round_gate`
+keeps from drafting, nothing or with a lookup branch the chain alone), (3) `score`s the tree
+in one target pass under its tree mask, (4) `verify`s, (5) `commit`s the accepted path to both
+caches.  The steps talk through the contracts of `contracts.py` (Proposal -> Scores ->
+Verdict); the policy's decision time comes beside the Proposal, not in it.
 
 A round keeps its tensors on the device: the tree and its masks are copied there once
 (`Tree.on`), the root is drawn there and emitted with the accepted path, so a greedy round with a
@@ -40,7 +40,6 @@ from .tree import Tree
 from .verify import acceptance, dynasd_select, verify_tree
 
 ACCEPTED_EMA_DECAY = 0.5  # weight of the previous average in the accepted-length EMA
-AR = round_method("ar")  # how a round the gate keeps from drafting proposes
 
 
 @lru_cache(maxsize=64)
@@ -60,7 +59,7 @@ class DecodeStats:
     accepted: int = 0  # drafted tokens accepted
     seconds: float = 0.0
     decision_seconds: float = 0.0  # wall time of the policy's decisions
-    gated: int = 0  # rounds the round gate kept from drafting (the root alone)
+    gated: int = 0  # rounds the round gate kept from drafting (the root alone, or a chain)
     accepted_per_round: list[int] = field(default_factory=list)
     accepted_ema: float = 0.0  # EMA of accepted drafted tokens per round (0 before the first)
 
@@ -86,17 +85,17 @@ class DecodeStats:
     def add_round(self, proposal: Proposal, verified: int, accepted: int,
                   decision_seconds: float = 0.0, gated: bool = False) -> None:
         """Count one round: its proposal's draft steps (one level each) and drafted tokens,
-        `verified` drafted tokens in its target pass, `accepted` of them, `decision_seconds` of
-        the policy's decisions; a round `gated` off is a target call that leaves the acceptance
-        history as it was."""
+        `verified` proposed tokens in its target pass, `accepted` of them, `decision_seconds` of
+        the policy's decisions; a round `gated` off (nothing drafted, perhaps a lookup chain)
+        is a target call that leaves the acceptance history as it was."""
         self.target_calls += 1
+        self.verified_tokens += verified
         if gated:
             self.gated += 1
             return
         self.draft_steps += proposal.steps
         self.drafted_levels += proposal.steps
         self.drafted_tokens += proposal.drafted
-        self.verified_tokens += verified
         self.decision_seconds += decision_seconds
         self.accepted += accepted
         self.accepted_per_round.append(accepted)
@@ -190,14 +189,15 @@ def generate(
         if lookup is not None:  # the text a lookup reads holds the root
             lookup.extend(roots.tolist())
         # 2. Propose below the roots as deep as the depth cap and the budget (one token per
-        # level) allow; a round the gate keeps from drafting proposes the root alone, as `ar`.
+        # level) allow; a round the gate keeps from drafting drafts nothing (`propose_gated`).
         levels = min(depth_cap, config.max_new_tokens - emitted - 1 + root_emitted)
         context = RoundContext(emitted, stats.last_accepted, stats.acceptance_rate,
                                stats.accepted_ema, root_statistics(r)) if with_features else None
         gated = gate is not None and not gate.drafts(context, r[roots])
-        round_tree, proposal, decision_seconds = (AR if gated else method).propose(
-            Round(roots, r, target.length, levels, context), drafter, policy, tree, lookup,
-            config, generator)
+        round_ = Round(roots, r, target.length, levels, context)
+        round_tree, proposal, decision_seconds = \
+            method.propose_gated(round_, policy, tree, lookup, config) if gated else \
+            method.propose(round_, drafter, policy, tree, lookup, config, generator)
         on_device = round_tree.on(r.device)
         # 3. Score: one target pass over the proposal.
         scores = score(target, on_device, proposal, config.sampling, costs,

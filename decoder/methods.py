@@ -8,10 +8,12 @@ loop (`loop.py`) compares no method names:
   (`reads_features`), the text's n-grams (`looks_up`);
 - the policy it takes, its round gate and its depth cap (`depth_cap`: the deepest level a round
   proposes below its roots, before the budget);
-- how a round proposes (`propose`): the root alone (`ar`, a round the gate keeps from drafting),
-  the static tree level by level while the stopping policy goes on, the dynamic tree
-  (`dynamic.propose_tree`, with the lookup chain as one more source under greedy decoding
-  with `lookup_branch`), the chain a look-up finds (`lookup.lookup_proposal`).
+- how a round proposes (`propose`): the root alone (`ar`), the static tree level by level
+  while the stopping policy goes on, the dynamic tree (`dynamic.propose_tree`, with the lookup
+  chain as one more source under greedy decoding with `lookup_branch`), the chain a look-up
+  finds (`lookup.lookup_proposal`); and how a round the gate keeps from drafting proposes
+  (`propose_gated`): the root alone, or in greedy `tree` rounds with `lookup_branch` the root
+  and the prefix of the chain that pays.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from specstop.features import RoundContext, draft_features, feature_index
 
 from .contracts import Proposal
 from .drafter import Drafter, draft_children
-from .dynamic import propose_tree
+from .dynamic import propose_chain, propose_tree
 from .lookup import Lookup, lookup_branch, lookup_proposal
 from .policy import FixedDepth, StoppingPolicy, TreePolicy
 from .round_gate import RoundGate
@@ -51,7 +53,7 @@ class DecodeConfig:
     without_replacement: bool = True
     lookup_ngram: int = 2  # lookup: the longest n-gram matched (then shorter ones, down to 1)
     lookup_branch: bool = False  # greedy `tree`: the lookup chain as one more source of
-    # candidates (a round the gate keeps from drafting proposes the root alone)
+    # candidates (a round the gate keeps from drafting proposes it alone)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -140,6 +142,12 @@ class RoundMethod:
                                              config, generator)
         return Proposed(tree, proposal, decision_seconds)
 
+    def propose_gated(self, round: Round, policy: StoppingPolicy | TreePolicy, tree: Tree,
+                      lookup: Lookup | None, config: DecodeConfig) -> Proposed:
+        """A round its round gate keeps from drafting: the root alone, `ar`'s step."""
+        return Proposed(tree, Proposal.root_alone(round.roots, round.root_position, round.r),
+                        0.0)
+
 
 class MultiCandidate(RoundMethod):
     """`mcsd`: mcsd_branching's leading widths, then chains."""
@@ -171,7 +179,7 @@ class Autoregressive(RoundMethod):
     def propose(self, round: Round, drafter: Drafter | None, policy: StoppingPolicy | TreePolicy,
                 tree: Tree, lookup: Lookup | None, config: DecodeConfig,
                 generator: torch.Generator | None) -> Proposed:
-        return Proposed(tree, root_alone(round.roots, round.root_position, round.r), 0.0)
+        return self.propose_gated(round, policy, tree, lookup, config)
 
 
 class PromptLookup(RoundMethod):
@@ -224,6 +232,16 @@ class DynamicTree(RoundMethod):
         return Proposed(*propose_tree(drafter, policy, round.roots, round.r, round.root_position,
                                       round.levels, round.context, config.sampling,
                                       config.without_replacement, generator, branch))
+
+    def propose_gated(self, round: Round, policy: StoppingPolicy | TreePolicy, tree: Tree,
+                      lookup: Lookup | None, config: DecodeConfig) -> Proposed:
+        """The root alone, or with a lookup branch the root and the prefix of the chain that pays
+        (`dynamic.propose_chain`)."""
+        branch = lookup_branch(lookup, round.levels, policy.lookup_model) \
+            if config.lookup_branch else None
+        if branch is None:
+            return super().propose_gated(round, policy, tree, lookup, config)
+        return Proposed(*propose_chain(policy, round.roots, round.r, round.root_position, branch))
 
 
 ROUND_METHODS: dict[str, RoundMethod] = {
@@ -281,13 +299,3 @@ def propose(
                     features=tuple(feature_rows), fed=fed, steps=depth,
                     drafted=tokens.shape[0] - tree.roots), decision_seconds
 
-
-def root_alone(
-    roots: torch.Tensor,  # [roots] long
-    root_position: int,
-    r: torch.Tensor,  # [V] the distribution the roots were drawn from
-) -> Proposal:
-    """The roots with nothing drafted below them (`ar`'s round, a round gated off)."""
-    return Proposal(tokens=roots, depth=0, root_position=root_position,
-                    q=r.new_zeros(0, r.shape[0]), features=(),
-                    fed=torch.full((roots.shape[0],), -1), steps=0, drafted=0)

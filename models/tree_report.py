@@ -84,18 +84,17 @@ class TreeComparison(Ranking):
                     ) -> "TreeComparison":
         """This comparison with the lookup's model fitted on the train `chains` and every
         dynamic tree (`families`, the confidence tree) replayed with val's chains beside it,
-        behind its round gate (a gated round proposes the root alone, as the runtime's)."""
+        behind its round gate (a gated round proposes the chain alone, as the runtime's)."""
         model, fitted = lookup_model.fit(chains)
         on_val = chains[chains["split"] == "val"]
-        val = LookupChains.from_rows(on_val[~on_val["beside_draft"].to_numpy(bool)],
-                                     self.replay_rows)  # the chains a tree round adds
+        val = LookupChains.from_rows(on_val, self.replay_rows)
         policies = {}
         for name, (p, latency) in families.items():
             costs = _tree_costs(self.costs, self.replay, latency)
             rule, without = self.rules[name], self.tuned[name].result.speedup
             gate = self.gates[name].gate if name in self.gates else None
-            off = None if gate is None else ~gate.drafting(self.gate_features)  # the root
-            # alone, no chain (as the runtime's gated rounds)
+            off = None if gate is None else ~gate.drafting(self.gate_features)  # the chain
+            # alone (as the runtime's gated rounds)
             if off is not None:
                 without = self.gates[name].result.speedup
             learned, certain = (self.replay.dynamic(p, rule, costs, off, val,
@@ -104,8 +103,10 @@ class TreeComparison(Ranking):
             policies[name] = {"simulated_speedup": learned, "with_vs_without": learned / without,
                               "certain_chain_speedup": certain,
                               "learned_vs_certain": learned / certain}
+        added = np.unique(val.round_index[~val.beside_draft])  # rounds a drafted tree adds a
+        # chain to
         metrics = {"model": None if model is None else model.as_dict(), **fitted,
-                   "chains": int(len(np.unique(val.round_index))), "rounds": self.replay.rounds,
+                   "chains": len(added), "rounds": self.replay.rounds,
                    "alone": lookup_alone(on_val, _tree_costs(self.costs, self.replay,
                                                              0.0).verify),
                    "policies": policies}

@@ -1,8 +1,8 @@
 """The logged lookup chains (`collection.rows.LOOKUP_SCHEMA`) of the replayed greedy rounds.
 
 Greedy `tree` rounds with a lookup branch add the chain below the root unless the draft proposed
-its first token there (`beside_draft`: the caller leaves those out); `verify_set` keeps the
-prefix of it that pays.  `lookup` alone verifies every chain whole, and since collect logs the
+its first token there (`beside_draft`), and a round gated off proposes its chain alone;
+`verify_set` keeps the prefix of it that pays.  `lookup` alone verifies every chain whole, and since collect logs the
 chain below every token of the text, it is walked along each text exactly (`lookup_alone`):
 its rounds start where its own accepted chains end, not where the logged rounds did (a round
 that copies ten tokens is one round, not one per logged round inside them).  A chain
@@ -29,6 +29,7 @@ class LookupChains:
     position: np.ndarray  # [m] 1 = below the root
     features: np.ndarray  # [m, len(LOOKUP_FEATURES)] float64
     accepted: np.ndarray  # [m] bool, label 1
+    beside_draft: np.ndarray  # [m] bool, the draft proposed the chain's first token at the root
 
     @classmethod
     def from_rows(cls, chains: pd.DataFrame, rounds: pd.DataFrame) -> "LookupChains":
@@ -42,7 +43,7 @@ class LookupChains:
         return cls(joined["replay_round"].to_numpy(np.int64),
                    joined["position"].to_numpy(np.int64),
                    joined[list(LOOKUP_FEATURES)].to_numpy(np.float64),
-                   joined["label"].to_numpy() == 1)
+                   joined["label"].to_numpy() == 1, joined["beside_draft"].to_numpy(bool))
 
     def __len__(self) -> int:
         return len(self.round_index)

@@ -28,7 +28,8 @@ the draft's k' draws are its k draws).  Policies:
   tuned by `tune_sampling`;
 - with a lookup branch (greedy): the logged lookup chains (`replay.lookup_chains`) join each
   round's candidates with their survivals, and the verify set keeps the prefix that pays, as
-  `dynamic.propose_tree` does;
+  `dynamic.propose_tree` does; a round gated off verifies the prefix of its chain that pays
+  alone (`dynamic.propose_chain`), a chain beside the draft's root children included;
 - oracle: drafts and verifies exactly the accepted path, or nothing, knowing it in advance;
 - `ar`: every round gated off (`gated`: the root alone, one one-token pass), speedup exactly 1;
   a round gate (`models.round_gate`) gates some rounds off before a dynamic tree drafts.
@@ -149,14 +150,12 @@ class TreeReplay:
               chained: np.ndarray | None = None) -> TreeResult:
         """Replay: `kept` [n] verified rows, `fed` [R, max_depth] nodes fed per level (0: root),
         `chained` [m] the verified rows of `chains`; rounds `gated` [R] off draft nothing: the
-        root alone, `ar`'s step (1)."""
+        root and their `chained` rows (`ar`'s step without)."""
         if gated is not None:
             kept, fed = kept & ~gated[self.round_index], np.where(gated[:, None], 0, fed)
         verified = np.bincount(self.round_index, kept, self.rounds)
         tokens = 1 + np.bincount(self.round_index, kept * self.gain, self.rounds)
         if chains is not None:
-            if gated is not None:
-                chained = chained & ~gated[chains.round_index]
             verified += np.bincount(chains.round_index, chained, self.rounds)
             tokens += np.bincount(chains.round_index, chained & chains.accepted, self.rounds)
         cost = costs.step[fed].sum(axis=1) + costs.verify[1 + verified.astype(np.int64)]
@@ -184,8 +183,9 @@ class TreeReplay:
                 gated: np.ndarray | None = None, chains: LookupChains | None = None,
                 chain_survival: np.ndarray | None = None) -> TreeResult:
         """The runtime's rule (`decoder.tree_rule`) with per-row acceptance probabilities p, the
-        rounds `gated` [R] off (`decoder.round_gate`) emitting the root alone; greedy rounds
-        with a lookup branch: `chains` and their rows' survivals."""
+        rounds `gated` [R] off (`decoder.round_gate`) drafting nothing; greedy rounds with a
+        lookup branch: `chains` and their rows' survivals (beside a drafted tree the chains
+        not `beside_draft`, in a gated round its chain alone)."""
         rule = rule.exact_under(not self.sampled)
         if chains is not None and (self.sampled or not rule.prune):
             raise ValueError("a lookup branch is replayed on greedy rounds only")
@@ -204,6 +204,10 @@ class TreeReplay:
             candidate[below] = fed[self.parent_row[below]]
         kept, chained = self._verify(s, candidate, rule, chains, chain_survival) \
             if rule.prune else (candidate, None)
+        if chains is not None and gated is not None:
+            _, alone = self._verify(s, np.zeros_like(candidate), rule, chains, chain_survival,
+                                    alone=True)
+            chained = np.where(gated[chains.round_index], alone, chained)
         return self.score(kept, self._fed_widths(fed, np.ones(self.rounds, dtype=np.int64)),
                           costs, gated, chains, chained)
 
@@ -235,11 +239,12 @@ class TreeReplay:
         return tuple(table)
 
     def _verify(self, s: np.ndarray, candidate: np.ndarray, rule: TreeRule,
-                chains: LookupChains | None = None, chain_survival: np.ndarray | None = None
-                ) -> tuple[np.ndarray, np.ndarray]:
+                chains: LookupChains | None = None, chain_survival: np.ndarray | None = None,
+                alone: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """`tree_rule.verify_set` of every round at once: the n best candidates by the closed
-        survival (the drafted rows, then the chain's), n maximising sum(s) - rho *
-        verify_cost[1 + n]: ([n] kept rows, [m] kept rows of `chains`, empty without)."""
+        survival (the drafted rows, then the chain's: those not `beside_draft`, or every one
+        when the chain is `alone`), n maximising sum(s) - rho * verify_cost[1 + n]: ([n] kept
+        rows, [m] kept rows of `chains`, empty without)."""
         key = np.where(candidate, s, -np.inf)
         for d in range(1, self.max_depth + 1):
             rows = np.flatnonzero(self.level == d)
@@ -249,10 +254,11 @@ class TreeReplay:
         rows = np.flatnonzero(candidate)
         ids, keys, rounds, survival = rows, key[rows], self.round_index[rows], s[rows]
         if chains is not None:  # a chain's survival never rises along it: its own closed key
-            ids = np.concatenate([ids, len(s) + np.arange(len(chains))])
-            keys = np.concatenate([keys, chain_survival])
-            rounds = np.concatenate([rounds, chains.round_index])
-            survival = np.concatenate([survival, chain_survival])
+            on = np.flatnonzero(alone | ~chains.beside_draft)
+            ids = np.concatenate([ids, len(s) + on])
+            keys = np.concatenate([keys, chain_survival[on]])
+            rounds = np.concatenate([rounds, chains.round_index[on]])
+            survival = np.concatenate([survival, chain_survival[on]])
         order = np.lexsort((ids, -keys, rounds))
         rounds = rounds[order]
         position = pd.Series(rounds).groupby(rounds).cumcount().to_numpy() + 1

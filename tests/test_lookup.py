@@ -172,12 +172,6 @@ def test_a_lookup_branch_is_for_greedy_tree_rounds_only() -> None:
         DecodeConfig(method="sd", lookup_branch=True)
 
 
-# Verify every drafted node below a root with up to two children (a pass of n tokens costs
-# 1 + 1e-4 (n - 1) target steps).
-RULE = TreeRule((2, 1, 1), expand=0.0, rho=0.0, max_width=2,
-                verify_cost=(0.0, *(1.0 + 1e-4 * i for i in range(16))))
-
-
 class FixedDraft:
     """A draft whose every step proposes 11 (most likely), then 12, whatever it is fed."""
 

@@ -14,7 +14,8 @@ from specstop.common.errors import SpecstopError
 from specstop.decoder.drafter import ModelDrafter
 from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, DecodeStats, generate
-from specstop.decoder.policy import ConfidenceTree
+from specstop.decoder.lookup import LookupModel
+from specstop.decoder.policy import ConfidenceTree, FixedDepth
 from specstop.decoder.round_gate import GATE_FEATURES, RoundGate
 from specstop.decoder.stop_model import load_stop_model
 from specstop.features import RoundContext
@@ -23,6 +24,7 @@ from specstop.replay.tree_replay import TreeCosts, TreeReplay
 
 from stop_models import write_stop_model
 from test_dynamic_tree import models  # noqa: F401  (the tiny models fixture)
+from test_lookup import MODERATE, repetitive_prompts
 from test_loop_tiny import assert_cache_holds
 from test_tree_replay import BRANCHING, COSTS, reference, superset_rows
 
@@ -128,8 +130,8 @@ class Pattern:
 
 
 class GatedTree(ConfidenceTree):
-    def __init__(self, rule, gate) -> None:
-        super().__init__(rule)
+    def __init__(self, rule, gate, lookup_model: LookupModel | None = None) -> None:
+        super().__init__(rule, lookup_model=lookup_model)
         self.round_gate = gate
 
 
@@ -150,6 +152,36 @@ def test_greedy_tree_behind_a_gate_equals_ar(models, kind, gate):
     rounds = stats.target_calls - 3
     assert 0 < stats.gated < rounds and stats.draft_steps > 0
     assert stats.accepted + rounds <= stats.new_tokens  # a gated round: the root alone
+
+
+@pytest.mark.parametrize("lookup_model", [None, MODERATE], ids=["certain", "learned"])
+def test_gated_rounds_with_a_lookup_branch_propose_the_chain_alone(models, lookup_model):
+    """Greedy `tree` with a lookup branch behind a gate that never drafts runs no draft step:
+    each round verifies the root and the prefix of the chain that pays.  A certain chain on a
+    flat cost curve is verified whole, as `lookup` verifies it (the same tokens, target calls
+    and verified tokens); behind a gate that drafts every other round, and with a learned
+    chain, the output is still `ar`'s."""
+    tree = DecodeConfig(method="tree", max_new_tokens=40, max_depth=6, lookup_branch=True)
+    lookup = DecodeConfig(method="lookup", max_new_tokens=40, max_depth=6)
+    ar = DecodeConfig(method="ar", max_new_tokens=40)
+    closed_stats, ar_calls = DecodeStats(), 0
+    for prompt in repetitive_prompts(6):
+        reference = generate(KVModel(models[0]), None, prompt, ar)
+        draft_lm = KVModel(models[1])
+        closed = generate(KVModel(models[0]), ModelDrafter(draft_lm), prompt, tree,
+                          GatedTree(dt.RULES["verify-all"], RoundGate.closed(), lookup_model))
+        assert closed.tokens == reference.tokens and draft_lm.length == 0
+        closed_stats.add(closed.stats)
+        ar_calls += reference.stats.target_calls
+        if lookup_model is None:
+            alone = generate(KVModel(models[0]), None, prompt, lookup, FixedDepth(6)).stats
+            assert (closed.stats.target_calls, closed.stats.verified_tokens) == \
+                (alone.target_calls, alone.verified_tokens)
+        mixed = generate(KVModel(models[0]), ModelDrafter(KVModel(models[1])), prompt, tree,
+                         GatedTree(dt.RULES["pruned"], Pattern((True, False)), lookup_model))
+        assert mixed.tokens == reference.tokens and 0 < mixed.stats.gated
+    assert closed_stats.draft_steps == 0 and closed_stats.gated == closed_stats.target_calls - 6
+    assert 0 < closed_stats.verified_tokens and closed_stats.target_calls < ar_calls
 
 
 def test_caches_hold_the_committed_tokens_after_gated_rounds(models):

@@ -46,20 +46,23 @@ def superset_rows(rounds: int, seed: int, ease: float = 0.6) -> pd.DataFrame:
 
 
 def reference(rows: pd.DataFrame, rule: TreeRule, chains: pd.DataFrame | None = None,
-              model: LookupModel | None = None) -> tuple[float, float]:
+              model: LookupModel | None = None, gated: frozenset = frozenset()
+              ) -> tuple[float, float]:
     """(tokens, cost) summed over rounds, one round at a time with `feed` and `verify_set`; with
-    `chains`, each round's chain ranked beside the drafted candidates by its survival under
-    `model`, as `dynamic.propose_tree` does (the chain after them)."""
+    `chains`, each round's chain (not `beside_draft`) ranked beside the drafted candidates by
+    its survival under `model`, as `dynamic.propose_tree` does (the chain after them); the
+    rounds `gated` ((prompt_id, round) keys) draft nothing and rank their chain alone, as
+    `dynamic.propose_chain` does."""
     tree = Tree(1, BRANCHING)
     tokens = cost = 0.0
     for key, rnd in rows.groupby(["prompt_id", "round"], sort=False):
         by_node = {int(n): row for n, row in zip(rnd["node"], rnd.itertuples())}
-        cap = int(rnd["depth"].max())
+        cap = 1 if key in gated else int(rnd["depth"].max())
         s = {0: 1.0}
-        candidates = [c for c in tree.children(0)]
+        candidates = [] if key in gated else [c for c in tree.children(0)]
         for c in candidates:
             s[c] = by_node[c].p
-        fed_widths, level = [1], list(candidates)
+        fed_widths, level = [1] if candidates else [], list(candidates)
         for d in range(1, cap):
             chosen = [c for c, f in zip(level, feed(np.array([s[c] for c in level]), rule)) if f]
             if not chosen:
@@ -71,7 +74,8 @@ def reference(rows: pd.DataFrame, rule: TreeRule, chains: pd.DataFrame | None = 
             candidates += level
         index = {c: j for j, c in enumerate(candidates)}
         n = len(candidates)
-        chain = chains[(chains["prompt_id"] == key[0]) & (chains["round"] == key[1])] \
+        chain = chains[(chains["prompt_id"] == key[0]) & (chains["round"] == key[1])
+                       & (~chains["beside_draft"] | (key in gated))] \
             if chains is not None else pd.DataFrame({"label": []})
         m = len(chain)
         survival = [s[c] for c in candidates]
@@ -251,36 +255,43 @@ def chain_rows(rows: pd.DataFrame, seed: int) -> pd.DataFrame:
         if rng.uniform() < 0.2:
             continue
         alive = not ((rnd["depth"] == 1) & (rnd["label"] == 1)).any()
+        beside = bool(rng.uniform() < 0.25)
         for j in range(1, int(rng.integers(1, 6)) + 1):
             hit = alive and rng.uniform() < 0.7
             out.append({"prompt_id": prompt_id, "round": round_, "split": "val",
-                        "label": 1 if hit else 0 if alive else -1, "beside_draft": False,
+                        "label": 1 if hit else 0 if alive else -1, "beside_draft": beside,
                         "position": float(j), "ngram": float(rng.integers(1, 3)),
                         "log_gap": float(rng.uniform(0, 5)), "recent": float(rng.uniform())})
             alive = hit
     return pd.DataFrame(out)
 
 
+@pytest.mark.parametrize("gated_share", [0.0, 0.4])
 @pytest.mark.parametrize("expand,rho,width,bias", [(0.0, 0.0, 8, 0.0), (0.3, 1.0, 2, 1.0),
                                                    (0.2, 0.7, 3, -1.5), (0.6, 2.5, 1, 3.0)])
-def test_lookup_chain_replay_matches_the_runtime_rule_round_by_round(expand, rho, width, bias):
+def test_lookup_chain_replay_matches_the_runtime_rule_round_by_round(expand, rho, width, bias,
+                                                                     gated_share):
     """The replay with a lookup branch (`LookupChains`, `TreeReplay.dynamic(chains=...)`) equals
-    a round-by-round `verify_set` over the drafted candidates and the chain, by the chain's
-    learned survival; a certain chain (survival 1) is scored the same way."""
+    a round-by-round `verify_set` over the drafted candidates and the chain (the chain alone in
+    the rounds gated off), by the chain's learned survival; a certain chain (survival 1) is
+    scored the same way."""
     rows = superset_rows(40, seed=3)
     chains = chain_rows(rows, seed=4)
     replay = TreeReplay.from_rows(rows, BRANCHING)
     logged = LookupChains.from_rows(chains, rows)
     rule = COSTS.rule(BRANCHING, expand, rho, width)
     model = LookupModel((-0.3, 0.2, -0.1, 1.0), bias)
-    result = replay.dynamic(rows["p"].to_numpy(), rule, COSTS, chains=logged,
-                            chain_survival=logged.survival(model))
-    tokens, cost = reference(rows, rule, chains, model)
+    off = np.random.default_rng(5).uniform(size=replay.rounds) < gated_share
+    keys = rows[["prompt_id", "round"]].drop_duplicates().itertuples(index=False)
+    gated = frozenset(tuple(k) for k, o in zip(keys, off) if o)
+    result = replay.dynamic(rows["p"].to_numpy(), rule, COSTS, off if gated else None, logged,
+                            logged.survival(model))
+    tokens, cost = reference(rows, rule, chains, model, gated)
     assert result.speedup == pytest.approx(tokens / cost, rel=1e-12)
-    without = replay.dynamic(rows["p"].to_numpy(), rule, COSTS)
+    without = replay.dynamic(rows["p"].to_numpy(), rule, COSTS, off if gated else None)
     assert result.verified > without.verified  # some chain tokens are kept
-    certain = replay.dynamic(rows["p"].to_numpy(), rule, COSTS, chains=logged,
-                             chain_survival=logged.survival(None))
+    certain = replay.dynamic(rows["p"].to_numpy(), rule, COSTS, off if gated else None, logged,
+                             logged.survival(None))
     assert certain.verified >= result.verified
 
 
