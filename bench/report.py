@@ -6,8 +6,10 @@ bench.json (CONTRACTS.md): the greedy methods at the top level (`tokens_per_s`,
 the sampled ones under `sampling`; `summary` (the exported policy against the best static
 method, `ar`, `sd` and transformers, `sd` against transformers on the same draft, the A/A noise
 floor, `lookup`: the learned tree with the prompt-lookup branch against without it, `lookup`
-alone and transformers' prompt lookup against `ar`, overall and per domain: each a ratio with
-its paired 95% bootstrap interval over prompts); `setup`, `latency` and `targets`.
+alone and transformers' prompt lookup against `ar`, overall and per domain; `sampling`: the
+exported policy against the best static method and `ar`, its tree with the lookup chain against
+it and that static method: each a ratio with its paired 95% bootstrap interval over prompts);
+`setup`, `latency` and `targets`.
 """
 
 from __future__ import annotations
@@ -123,17 +125,26 @@ def _method(result: MethodResult, n: int, greedy: bool) -> dict:
 
 
 def _sampling_summary(inputs: Inputs, sampling: dict) -> dict:
-    """The exported policy under sampling against `ar` and the fastest static method sampled
-    (None where the sampling run lacks them)."""
+    """The exported policy under sampling against `ar` and the fastest static method sampled,
+    and its tree with the lookup chain against it and that static method, overall and per
+    domain (None where the sampling run lacks them)."""
     static = [name for name in STATIC if name in sampling]
     best = max(static, key=lambda name: sampling[name]["tokens_per_s"]) if static else None
     winner = sampling.get(EXPORTED)
+
+    def by(a: str, b: str | None) -> dict | None:
+        return by_domain(inputs, "sampling", a, b) if a in sampling and b in sampling else None
+
     return {"best_static": best,
             "winner_vs_best_static": ratio(inputs, "sampling", EXPORTED, best).as_dict()
             if winner and best else None,
             "winner_vs_ar": _speedup(winner) if winner else None,
             "winner_measured_over_simulated": winner.get("measured_over_simulated")
-            if winner else None}
+            if winner else None,
+            "lookup_tree_vs_winner": by(EXPORTED_LOOKUP, EXPORTED),
+            "lookup_tree_vs_best_static": by(EXPORTED_LOOKUP, best),
+            "lookup_tree_vs_ar": _speedup(sampling[EXPORTED_LOOKUP])
+            if EXPORTED_LOOKUP in sampling else None}
 
 
 def _summary(inputs: Inputs, greedy: dict) -> dict:
@@ -321,6 +332,10 @@ def claims(metrics: dict) -> list[str]:
         lines.append(f"sampling: exported policy vs the best static method sampled "
                      f"({sampled['best_static']}): {_ci(sampled['winner_vs_best_static'])}; "
                      f"vs ar {_ci(sampled['winner_vs_ar'])}")
+    if sampled.get("lookup_tree_vs_winner") is not None:
+        lines.append(f"sampling: `{EXPORTED_LOOKUP}` vs `{EXPORTED}` "
+                     f"{_by_domain(sampled['lookup_tree_vs_winner'])}; vs the best static method "
+                     f"{_by_domain(sampled['lookup_tree_vs_best_static'])}")
     gap = s["max_divergence_gap"]
     lines.append(f"A/A noise (ar timed twice): {_ci(s['aa_noise'])}; {s['prompts']} prompts "
                  f"({', '.join(f'{d} {n}' for d, n in s['prompts_per_domain'].items())}); "

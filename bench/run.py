@@ -3,8 +3,8 @@ sampling, in one process: `ar` (twice: the A/A noise floor); `sd` at its best fi
 and `ti-mcsd` static and `static-tree`, the replay's best static shape; the dynamic trees
 (method `tree`): `tree+confidence` (EAGLE-2-style, the draft's path confidence) and
 `tree+stop_model` (the exported winner, the policy the pipeline ships), each with the rule the
-replay tuned, and greedy `tree+stop_model+lookup`, the winner's tree with the prompt-lookup
-chain as one more branch under the root; the level-wise stop on `ti-mcsd` (the confidence
+replay tuned, and `tree+stop_model+lookup`, the winner's tree with the prompt-lookup chain
+as one more source (`decoder.dynamic`); the level-wise stop on `ti-mcsd` (the confidence
 threshold and each exported model); the published lossy `ti-mcsd --lossy`, static (the models
 never saw lossy rounds); and the peers on equal terms: a plain draft (`bench.assistant_draft`,
 else the default draft where it is one) run by specstop's `sd` (`sd-compact`) and by
@@ -50,8 +50,6 @@ from .hf_assisted import (PROMPT_LOOKUP_NGRAM, assisted_method, dynamic_settings
 
 DEFAULT_GAMMA = 4
 SAME_DRAFT_SD = "sd-compact"
-GREEDY_ONLY = ("tree+stop_model+lookup",)  # a lookup branch beside sampled candidates is not
-# verified exactly by one q per node
 
 
 @dataclass(frozen=True)
@@ -155,9 +153,6 @@ def _check_method_names(config: BenchConfig, plan: Plan) -> None:
         if unknown:
             raise SpecstopError(f"bench.{key}: unknown method '{unknown[0]}' "
                                 f"(known: {', '.join(known)})")
-    greedy = [name for name in config.sampling_methods if name in GREEDY_ONLY]
-    if greedy:
-        raise SpecstopError(f"bench.sampling_methods: '{greedy[0]}' runs greedy only")
 
 
 def _test_split(config: BenchConfig) -> dict[str, list[str]]:
@@ -292,8 +287,8 @@ def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan, peers: Peers | No
                        "tree+confidence"),
         *[decoder_method(runtime, cfg("tree"), p, f"tree+{f}") for f, p in plan.families.items()],
         decoder_method(runtime, cfg("tree"), plan.winner, "tree+stop_model"),
-        *([decoder_method(runtime, cfg("tree", lookup_branch=True, **lookup_options), plan.winner,
-                          "tree+stop_model+lookup")] if base.sampling.greedy else []),
+        decoder_method(runtime, cfg("tree", lookup_branch=True, **lookup_options), plan.winner,
+                       "tree+stop_model+lookup"),
         decoder_method(runtime, cfg("ti-mcsd", lossy=True), FixedDepth(plan.static_gamma),
                        "ti-mcsd-lossy"),  # static: the models never saw lossy rounds
     ]

@@ -42,9 +42,10 @@ FEATURE_NAMES = [f.name for f in FEATURES]
 LABEL_TYPES = ("hard", "soft")
 SPLITS = ("train", "val")
 ROUND_KEYS = ["prompt_id", "round"]
-COLUMNS = ["prompt_id", "split", "round", "node", "parent", "label", "soft_label",
+COLUMNS = ["prompt_id", "split", "round", "node", "parent", "token", "label", "soft_label",
            "accept_prob", "temperature", *FEATURE_NAMES]  # the columns of Split.rows, in order
-ID_DTYPES = {"round": np.int32, "node": np.int16, "parent": np.int16, "label": np.int8,
+ID_DTYPES = {"round": np.int32, "node": np.int16, "parent": np.int16, "token": np.int32,
+             "label": np.int8,
              "soft_label": np.float32, "accept_prob": np.float32,
              "temperature": np.float32}  # as in rows.ROW_SCHEMA
 BATCH_ROWS = 65_536  # rows per streamed batch (a row group is read at a time)

@@ -17,8 +17,6 @@ off the text the prompt went on to (greedy decoding emits the target's arg-max w
 proposed, so token j of a chain is accepted iff it and the tokens before it are the text's; -1
 after a rejection or past the text's end).  The rounds' chains are what a greedy `tree` round
 with a lookup branch adds; every token's, what `lookup` alone meets walking the text.
-`beside_draft` marks a round's chain whose first token the draft proposed at the root, which the
-runtime leaves out.
 """
 
 from __future__ import annotations
@@ -64,7 +62,6 @@ ROW_SCHEMA = pa.schema(ID_COLUMNS + [(f.name, pa.float32()) for f in FEATURES] +
 LOOKUP_SCHEMA = pa.schema([("prompt_id", pa.string()), ("split", pa.string()),
                            ("round", pa.int32()), ("emitted", pa.int32()),
                            ("text_tokens", pa.int32()), ("token", pa.int32()), ("label", pa.int8()),
-                           ("beside_draft", pa.bool_()),
                            *[(name, pa.float32()) for name in LOOKUP_FEATURES]])  # position
 # (1 = below the root) among them
 LOOKUP = "lookup"  # the lookup rows' folder, inside `parts/`
@@ -78,18 +75,17 @@ class RoundLogger:
         self.columns: dict[str, list] = {name: [] for name in ROW_SCHEMA.names}
         self.lookup_columns: dict[str, list] = {name: [] for name in LOOKUP_SCHEMA.names}
         self.prompt_id, self.split, self.temperature = "", "", 0.0
-        self.rounds: list[tuple[int, int, list[int]]] = []  # the prompt's (round, tokens
-        # emitted once its root is, tokens drafted at the root)
+        self.rounds: dict[int, int] = {}  # the prompt's rounds by the tokens emitted once
+        # their root is
 
     def start(self, prompt_id: str, split: str, temperature: float = 0.0) -> None:
         self.prompt_id, self.split, self.temperature = prompt_id, split, temperature
-        self.rounds = []
+        self.rounds = {}
 
     def __call__(self, record: RoundRecord) -> None:
         n = record.tokens.shape[0]
         c = self.columns
-        self.rounds.append((record.round, int(record.features[0, TOKENS_GENERATED]),
-                            record.tokens[record.depth == 1].tolist()))
+        self.rounds[int(record.features[0, TOKENS_GENERATED])] = record.round
         c["prompt_id"] += [self.prompt_id] * n
         c["split"] += [self.split] * n
         c["temperature"] += [self.temperature] * n
@@ -112,14 +108,13 @@ class RoundLogger:
         """Log the lookup chain below each token of the text of the prompt just decoded
         (greedy): `prompt` its tokens, `text` the tokens it went on to, chains of up to
         `chain_tokens` tokens matched on n-grams of up to `ngram` tokens."""
-        rounds = {emitted: (index, children) for index, emitted, children in self.rounds}
         lookup, c = Lookup(prompt, ngram), self.lookup_columns
         for emitted, root in enumerate(text, start=1):
             lookup.extend([root])  # the text up to the root
             match = lookup.match(chain_tokens)
             if not match.tokens:
                 continue
-            round_index, root_children = rounds.get(emitted, (-1, []))
+            round_index = self.rounds.get(emitted, -1)
             k, truth = len(match.tokens), text[emitted : emitted + len(match.tokens)]
             labels, alive = [], True
             for j, token in enumerate(match.tokens):
@@ -133,7 +128,6 @@ class RoundLogger:
             c["text_tokens"] += [len(text)] * k
             c["token"] += match.tokens
             c["label"] += labels
-            c["beside_draft"] += [match.tokens[0] in root_children] * k
             for name, column in zip(LOOKUP_FEATURES, match.features().T):
                 c[name] += column.tolist()
 

@@ -28,6 +28,9 @@ class Proposal:
     # it was not fed
     steps: int  # draft steps taken
     drafted: int  # tokens drafted (the tree's below the roots, or more when some were dropped)
+    point: torch.Tensor | None = None  # [n] bool: nodes proposed by a point mass (a lookup
+    # chain's, after their drafted siblings) rather than drawn from their parent's q row; None:
+    # none
 
     @classmethod
     def root_alone(cls, roots: torch.Tensor, root_position: int, r: torch.Tensor) -> "Proposal":

@@ -10,12 +10,14 @@ Three trees share the drafted tree's level-major node order:
 - V, the verify tree: the root and the candidates `verify_set` keeps (all of them when
   sampling); the loop scores, verifies and commits it as it does a static tree.
 
-A greedy round's lookup chain (`lookup.LookupBranch`) is one more branch of candidates below the
-root, with survivals of its own: `verify_set` ranks them with the drafted ones and keeps the
-prefix of the chain that pays, placed last in each level of V (`lookup.with_lookup_branch`).  A
-chain whose first token the draft proposed at the root is left out (greedy siblings are
-distinct).  A round the round gate keeps from drafting proposes the root and the prefix of the
-chain that pays alone (`propose_chain`).
+A round's lookup chain (`lookup.LookupBranch`) is one more source of candidates, with
+survivals of its own.  Its first tokens may retrace a path the draft drafted: those nodes are
+kept once, with the larger of the two survivals; the rest of the chain leaves the drafted tree
+below the last of them (or the root) as a branch of its own, placed after its drafted siblings
+(`lookup.with_lookup_branch`).  Greedy, `verify_set` ranks them all and keeps a closed set, so
+a prefix of the chain's branch or none of it; sampled, every drafted node is verified and the
+prefix of the branch that pays beside them.  A round the round gate keeps from drafting
+proposes the root and the prefix of the chain that pays alone (`propose_chain`).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def propose_tree(
     sampling: Sampling,
     without_replacement: bool,
     generator: torch.Generator | None,
-    branch: LookupBranch | None = None,  # greedy rounds: a lookup chain below the root
+    branch: LookupBranch | None = None,  # a lookup chain below the root
 ) -> tuple[Tree, Proposal, float]:
     """Draft S below `root` level by level while some candidate is given `children`, then cut
     it (and `branch`) to V with `verify_set`; returns V, its Proposal and the wall time of the
@@ -85,12 +87,16 @@ def propose_tree(
         if frontier.size == 0:
             break
     start = time.perf_counter()
-    branch = None if branch is None or branch.tokens[0] in drafted.root_children() else branch
-    keep, chain = verify_with_chain(*drafted.candidates(), branch, rule)
+    survival, parent, previous_sibling = drafted.candidates()
+    retraced = [] if branch is None else [i - 1 for i in drafted.retrace(branch.tokens)]
+    keep, chain, attach = verify_with_chain(survival, parent, previous_sibling, branch, rule,
+                                            retraced)
     decision += time.perf_counter() - start
     tree, proposal = drafted.verify_proposal(keep, root_position)
-    return (*with_lookup_branch(tree, proposal, chain), decision) if chain else \
-        (tree, proposal, decision)
+    if not chain:
+        return tree, proposal, decision
+    below = 0 if attach < 0 else 1 + int(keep[:attach].sum())  # V's index of the candidate
+    return (*with_lookup_branch(tree, proposal, chain, below), decision)
 
 
 def propose_chain(
@@ -99,13 +105,15 @@ def propose_chain(
     r: torch.Tensor,  # [V] the distribution the root was drawn from
     root_position: int,
     branch: LookupBranch,
+    greedy: bool,
 ) -> tuple[Tree, Proposal, float]:
-    """A greedy round the round gate keeps from drafting: the root and the prefix of the lookup
-    chain `verify_set` keeps (the root alone when none pays), no draft step; returns V, its
-    Proposal and the wall time of the decision."""
+    """A round the round gate keeps from drafting: the root and the prefix of the lookup chain
+    that pays (the root alone when none does), no draft step; returns V, its Proposal and the
+    wall time of the decision."""
     start = time.perf_counter()
     none = np.zeros(0, dtype=np.int64)
-    _, chain = verify_with_chain(np.zeros(0), none, none, branch, decoding_rule(policy, True))
+    _, chain, _ = verify_with_chain(np.zeros(0), none, none, branch,
+                                    decoding_rule(policy, greedy), [])
     tree, proposal = Tree.from_parents(np.array([-1])), Proposal.root_alone(root, root_position, r)
     if chain:
         tree, proposal = with_lookup_branch(tree, proposal, chain)
@@ -116,21 +124,35 @@ def verify_with_chain(
     survival: np.ndarray,  # [n] the drafted candidates' (`DraftedTree.candidates`)
     parent: np.ndarray,
     previous_sibling: np.ndarray,
-    branch: LookupBranch | None,  # a chain below the root, its first token not drafted there
+    branch: LookupBranch | None,  # a chain below the root
     rule: TreeRule,
-) -> tuple[np.ndarray, list[int]]:
-    """`verify_set` over the drafted candidates and `branch` (candidates n, n + 1, ..., each
-    below the last, capped at the chain tokens the rule prices): ([n] bool drafted candidates
-    kept, the chain's tokens kept: a prefix)."""
-    n = len(survival)
-    room = len(rule.verify_cost) - 2 - n
-    if branch is None or room <= 0:
-        return verify_set(survival, parent, previous_sibling, rule), []
-    c = min(len(branch.tokens), room)
-    keep = verify_set(np.concatenate([survival, branch.survival[:c]]),
-                      np.concatenate([parent, [-1], n + np.arange(c - 1)]),
+    retraced: list[int],  # the candidates the chain's first tokens are, from the root down
+) -> tuple[np.ndarray, list[int], int]:
+    """`verify_set` over the drafted candidates and `branch`: the chain's first tokens are the
+    `retraced` candidates, each kept with the larger of its two survivals; the rest of it leaves
+    the drafted tree below the last of them (-1: the root) as candidates n, n + 1, ..., each
+    below the one before and placed after its drafted siblings, capped at the chain tokens the
+    rule prices.  A rule that does not prune (sampling) keeps every drafted candidate and the
+    prefix of the rest that pays beside them (sum of survivals - rho * the verify cost it
+    adds).  Returns ([n] bool drafted candidates kept, the chain's tokens kept below the
+    drafted tree: a prefix of the rest, the candidate they go below)."""
+    n, m = len(survival), len(retraced)
+    attach = retraced[-1] if m else -1
+    if branch is None:
+        return verify_set(survival, parent, previous_sibling, rule), [], attach
+    survival = survival.copy()
+    survival[retraced] = np.maximum(survival[retraced], branch.survival[:m])
+    c = min(len(branch.tokens) - m, len(rule.verify_cost) - 2 - n)
+    if c <= 0:
+        return verify_set(survival, parent, previous_sibling, rule), [], attach
+    if not rule.prune:
+        value = np.concatenate([[0.0], np.cumsum(branch.survival[m : m + c])]) \
+            - rule.rho * np.array([rule.cost(1 + n + k) for k in range(c + 1)])
+        return np.ones(n, dtype=bool), branch.tokens[m : m + int(np.argmax(value))], attach
+    keep = verify_set(np.concatenate([survival, branch.survival[m : m + c]]),
+                      np.concatenate([parent, [attach], n + np.arange(c - 1)]),
                       np.concatenate([previous_sibling, np.full(c, -1)]), rule)
-    return keep[:n], branch.tokens[: int(keep[n:].sum())]
+    return keep[:n], branch.tokens[m : m + int(keep[n:].sum())], attach
 
 
 def _kept(slots: np.ndarray, drafted: int, device: torch.device) -> torch.Tensor | None:
@@ -185,10 +207,17 @@ class DraftedTree:
         self.features.append(features)
         return first + np.flatnonzero(expand)
 
-    def root_children(self) -> list[int]:
-        """The tokens drafted at the root (one read on the host)."""
-        return self.tokens[1:][torch.from_numpy(self.parent[1:] == 0).to(self.tokens.device)
-                               ].tolist()
+    def retrace(self, tokens: list[int]) -> list[int]:
+        """The nodes (S indices) a path of `tokens` below the root follows while the draft
+        drafted them (greedy siblings are distinct); one read of the tokens on the host."""
+        child = {(int(p), t): i for i, (p, t) in enumerate(zip(self.parent, self.tokens.tolist()))}
+        path, node = [], 0
+        for token in tokens:
+            node = child.get((node, token))
+            if node is None:
+                break
+            path.append(node)
+        return path
 
     def candidates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`verify_set`'s view of the drafted nodes below the root [n - 1]: survival, parent

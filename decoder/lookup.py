@@ -11,14 +11,19 @@ one-hot and the loop's exact verification is speculative sampling with q = oneho
 arg-max; sampling accepts x with probability p(x), else draws the correction from
 res(p, onehot(x)), p with x removed.
 
-Greedy `tree` rounds may add the chain below the root beside the draft's tree: the lookup is one
-more source of candidates, with features of its own (`LOOKUP_FEATURES`: its position in the
-chain, the n-gram length matched, how far back the match is, how often the lookup's next-token
-guess was right over the recent text) and a learned P(accepted | parent accepted)
-(`LookupModel`, fitted by stage `train` on the chains collect logs); the chain's survivals join
-the drafted nodes' in the tree rule's `verify_set`, which keeps the prefix of it that pays
-(`dynamic.propose_tree`).  Every feature is a function of the committed text alone, so under
-greedy decoding what collect logs is what the runtime sees, whatever the policy.
+`tree` rounds may add the chain to the draft's tree: the lookup is one more source of
+candidates, with features of its own (`LOOKUP_FEATURES`: its position in the chain, the n-gram
+length matched, how far back the match is, how often the lookup's next-token guess was right
+over the recent text) and a learned P(accepted | parent accepted) (`LookupModel`, fitted by
+stage `train` on the chains collect logs).  Where the chain's first tokens are drafted nodes it
+follows them, and the rest goes below the last as a branch of its own (`dynamic.propose_tree`):
+greedy, its survivals join the drafted nodes' in the tree rule's `verify_set`, which keeps the
+prefix of it that pays; sampled, every drafted node is verified and the chain's prefix that pays
+beside them is added.  Sampled, a chain node is a point mass beside its parent's drawn children
+and is tested after them (`verify.mcss`), which stays exact whatever decided the chain: it is a
+function of the text and the drafted tokens before it, none of the target's draws.  Every
+feature is a function of the committed text alone, so under greedy decoding what collect logs
+is what the runtime sees, whatever the policy.
 """
 
 from __future__ import annotations
@@ -124,8 +129,8 @@ class LookupModel:
 
 @dataclass(frozen=True)
 class LookupBranch:
-    """A greedy `tree` round's lookup chain and each token's survival (the chance it and the
-    chain's tokens before it are accepted)."""
+    """A `tree` round's lookup chain and each token's survival (the chance it and the chain's
+    tokens before it are accepted)."""
 
     tokens: list[int]
     survival: np.ndarray  # [len(tokens)] float64, non-increasing
@@ -165,18 +170,25 @@ def lookup_proposal(
 def with_lookup_branch(
     tree: Tree,
     proposal: Proposal,
-    chain: list[int],  # >= 1 token, the first not among the root's drafted children
+    chain: list[int],  # >= 1 token
+    below: int = 0,  # the node of `tree` the chain goes below
 ) -> tuple[Tree, Proposal]:
-    """Greedy `tree` rounds: `chain` below the root as one more branch, each of its nodes last
-    in its level (so the tree stays in level-major order).  Its nodes are not fed to the draft;
-    their q rows are one-hot (greedy ignores q) and they carry no draft features."""
+    """`tree` rounds: `chain` below node `below` as one more branch, each of its nodes after
+    its drafted siblings (so the tree stays in level-major order, children after their parents'
+    order).  Its nodes are not fed to the draft, carry no draft features and are marked as
+    proposed by a point mass (`Proposal.point`; their own q rows are one-hot)."""
     tokens = proposal.tokens
     n, c, vocab = tokens.shape[0], len(chain), proposal.q.shape[1]
-    parent = np.concatenate([tree.parent[:n].numpy(), [0], n + np.arange(c - 1)])
-    depth = np.concatenate([tree.depth[:n].numpy(), 1 + np.arange(c)])
-    order = np.lexsort((np.arange(n + c) >= n, depth))  # by level, the chain's node last
-    new_index = np.empty_like(order)
-    new_index[order] = np.arange(n + c)
+    parent = np.concatenate([tree.parent[:n].numpy(), [below], n + np.arange(c - 1)])
+    depth = np.concatenate([tree.depth[:n].numpy(), int(tree.depth[below]) + 1 + np.arange(c)])
+    order, new_index = [], np.empty(n + c, dtype=np.int64)
+    for d in range(int(depth.max()) + 1):  # by level, by the parent's new index, chain last
+        level = np.flatnonzero(depth == d)
+        up = new_index[parent[level]] if d else np.zeros(len(level), dtype=np.int64)
+        level = level[np.lexsort((level >= n, up))]
+        new_index[level] = len(order) + np.arange(len(level))
+        order.extend(level.tolist())
+    order = np.array(order)
     merged = Tree.from_parents(np.where(parent[order] >= 0, new_index[parent[order]], -1))
     chain_t = torch.tensor(chain, dtype=torch.long, device=tokens.device)
     q = proposal.q.new_zeros(n + c, vocab)  # by node, the chain's nodes last
@@ -186,6 +198,11 @@ def with_lookup_branch(
     fed = torch.cat([proposal.fed, torch.full((c,), -1)])[order_t]
     order_t = order_t.to(tokens.device)
     q = q[order_t[: merged.size(merged.max_depth - 1)]]
+    point = torch.zeros(n + c, dtype=torch.bool, device=tokens.device)
+    point[n:] = True
+    if proposal.point is not None:
+        point[:n] = proposal.point
     return merged, Proposal(tokens=torch.cat([tokens, chain_t])[order_t],
                             depth=merged.max_depth, root_position=proposal.root_position, q=q,
-                            features=(), fed=fed, steps=proposal.steps, drafted=proposal.drafted)
+                            features=(), fed=fed, steps=proposal.steps, drafted=proposal.drafted,
+                            point=point[order_t])

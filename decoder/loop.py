@@ -280,7 +280,7 @@ def verify(tree: Tree, proposal: Proposal, scores: Scores, config: DecodeConfig,
     args = (tree, proposal.depth, proposal.tokens, scores.p, proposal.q, config.sampling)
     if config.lossy:
         return dynasd_select(*args, eos_id, generator)
-    return verify_tree(*args, config.without_replacement, eos_id, generator)
+    return verify_tree(*args, config.without_replacement, eos_id, generator, proposal.point)
 
 
 def commit(target: KVModel, drafter: Drafter | None, proposal: Proposal, scores: Scores,

@@ -10,9 +10,9 @@ loop (`loop.py`) compares no method names:
   proposes below its roots, before the budget);
 - how a round proposes (`propose`): the root alone (`ar`), the static tree level by level
   while the stopping policy goes on, the dynamic tree (`dynamic.propose_tree`, with the lookup
-  chain as one more source under greedy decoding with `lookup_branch`), the chain a look-up
+  chain as one more source with `lookup_branch`), the chain a look-up
   finds (`lookup.lookup_proposal`); and how a round the gate keeps from drafting proposes
-  (`propose_gated`): the root alone, or in greedy `tree` rounds with `lookup_branch` the root
+  (`propose_gated`): the root alone, or in `tree` rounds with `lookup_branch` the root
   and the prefix of the chain that pays.
 """
 
@@ -52,7 +52,7 @@ class DecodeConfig:
     lossy: bool = False  # ti-mcsd only: the published DynaSD selection
     without_replacement: bool = True
     lookup_ngram: int = 2  # lookup: the longest n-gram matched (then shorter ones, down to 1)
-    lookup_branch: bool = False  # greedy `tree`: the lookup chain as one more source of
+    lookup_branch: bool = False  # `tree`: the lookup chain as one more source of
     # candidates (a round the gate keeps from drafting proposes it alone)
 
     def __post_init__(self) -> None:
@@ -60,8 +60,8 @@ class DecodeConfig:
             raise ValueError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
         if self.lossy and self.method != "ti-mcsd":
             raise ValueError("--lossy applies to ti-mcsd only")
-        if self.lookup_branch and (self.method != "tree" or not self.sampling.greedy):
-            raise ValueError("a lookup branch applies to greedy tree rounds only")
+        if self.lookup_branch and self.method != "tree":
+            raise ValueError("a lookup branch applies to tree rounds only")
         if self.max_new_tokens < 1 or self.max_depth < 1 or self.lookup_ngram < 1:
             raise ValueError("max_new_tokens, max_depth and lookup_ngram must be >= 1")
         if self.max_depth > MAX_DEPTH:
@@ -241,7 +241,8 @@ class DynamicTree(RoundMethod):
             if config.lookup_branch else None
         if branch is None:
             return super().propose_gated(round, policy, tree, lookup, config)
-        return Proposed(*propose_chain(policy, round.roots, round.r, round.root_position, branch))
+        return Proposed(*propose_chain(policy, round.roots, round.r, round.root_position, branch,
+                                       config.sampling.greedy))
 
 
 ROUND_METHODS: dict[str, RoundMethod] = {

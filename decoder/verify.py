@@ -37,19 +37,23 @@ def mcss(
     without_replacement: bool,
     u: torch.Tensor,  # [k] float64 uniforms, one per candidate
     valid: torch.Tensor | None = None,  # [k] bool, False for a padding slot (never tested)
+    point: torch.Tensor | None = None,  # [k] bool, True for a candidate from a point mass
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Multi-candidate speculative sampling (Yang et al. 2024, arXiv 2401.06706, Alg. 1), on p's
     device without a sync.
 
     Candidate i is tested with u[i] < p(x)/q̄(x), in order, until one accepts.  With
     `without_replacement`, a candidate whose q̄ is already 0 (a repeat, or padding when q's
-    support is smaller than k) is skipped: it could not have been drawn.  Returns (the index of
+    support is smaller than k) is skipped: it could not have been drawn.  A `point` candidate
+    (a lookup chain's: a function of what came before it, after the drawn ones) is proposed by
+    a point mass: tested with u < p(x), the residual p with x removed (SpecInfer's step with its
+    own q, VERIFICATION.md §2).  Returns (the index of
     the accepted candidate, -1 for none: a 0-d long tensor; p, or the residual to sample the
     correction from when none was accepted; [k] the thresholds of the tests made, nan elsewhere).
     """
     candidates = torch.as_tensor(candidates, device=p.device)
     valid = torch.ones_like(candidates, dtype=torch.bool) if valid is None else valid
-    thresholds, rest = _mcss_tests(p, q, candidates, valid, without_replacement)
+    thresholds, rest = _mcss_tests(p, q, candidates, valid, without_replacement, point)
     made = ~thresholds.isnan()
     accepted = made & (u < thresholds)
     first = accepted.long().argmax()  # 0 when none accepted
@@ -59,19 +63,24 @@ def mcss(
 
 
 def _mcss_tests(p: torch.Tensor, q: torch.Tensor, candidates: torch.Tensor, valid: torch.Tensor,
-                without_replacement: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every test `mcss` may make: [k] thresholds p(x)/q̄(x) (nan for a skipped candidate), and
-    the residual [V] left after the last."""
+                without_replacement: bool, point: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every test `mcss` may make: [k] thresholds p(x)/q̄(x) (nan for a skipped candidate; q̄
+    the point mass at x for a `point` candidate), and the residual [V] left after the last."""
     q_bar, thresholds = q, []
-    for x, ok in zip(candidates.split(1), valid.split(1)):
-        q_x = q_bar[x]
+    points = [None] * len(candidates) if point is None else point.split(1)
+    for x, ok, at_x in zip(candidates.split(1), valid.split(1), points):
+        q_c = q_bar if at_x is None else \
+            torch.where(at_x, torch.zeros_like(q_bar).index_fill(0, x, 1.0), q_bar)
+        q_x = q_c[x]
         drawable = ok & (q_x > 0)
         thresholds.append(torch.where(drawable, p[x] / q_x, math.nan))
-        p = torch.where(drawable, residual(p, q_bar), p)  # subtract q̄ before removing x
+        p = torch.where(drawable, residual(p, q_c), p)  # subtract q̄ before removing x
         if without_replacement:
             removed = q_bar.index_fill(0, x, 0.0)
             mass = removed.sum()  # 0: every later candidate is skipped
-            q_bar = torch.where(drawable, torch.where(mass > 0, removed / mass, removed), q_bar)
+            drawn = drawable if at_x is None else drawable & ~at_x
+            q_bar = torch.where(drawn, torch.where(mass > 0, removed / mass, removed), q_bar)
     return torch.cat(thresholds), p
 
 
@@ -116,6 +125,8 @@ def verify_tree(
     without_replacement: bool,
     eos_id: int | None,
     generator: torch.Generator | None,
+    point: torch.Tensor | None = None,  # [n] bool: nodes drawn from a point mass (a lookup
+    # chain's), each after its drawn siblings
 ) -> Verdict:
     """Exact tree verification from the single committed root (node 0); `tree` on the tokens'
     device.
@@ -130,14 +141,15 @@ def verify_tree(
     if sampling.greedy:
         return _greedy_walk(tree, depth, tokens, p, eos_id)
     u = uniforms(n, tokens.device, generator)
-    return sampled_walk(tree, depth, tokens, p, q, without_replacement, eos_id, u)[0]
+    return sampled_walk(tree, depth, tokens, p, q, without_replacement, eos_id, u, point)[0]
 
 
 def sampled_walk(tree: Tree, depth: int, tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
-                 without_replacement: bool, eos_id: int | None,
-                 u: torch.Tensor) -> tuple[Verdict, torch.Tensor]:
+                 without_replacement: bool, eos_id: int | None, u: torch.Tensor,
+                 point: torch.Tensor | None = None) -> tuple[Verdict, torch.Tensor]:
     """The sampled path, one level at a time on the device and one transfer: at the path's node
-    `mcss` tests its children, node i with the uniform u[i] ([n] float64); the walk stops at a
+    `mcss` tests its children (`point` [n]: those from a point mass), node i with the uniform
+    u[i] ([n] float64); the walk stops at a
     rejection, an accepted EOS or a leaf (on a GPU it idles through the levels left rather than
     ask the host).  Also returns [n] the thresholds of the tests made, nan for the nodes never
     tested."""
@@ -155,7 +167,8 @@ def sampled_walk(tree: Tree, depth: int, tokens: torch.Tensor, p: torch.Tensor, 
         at = kids.clamp_max(n - 1)
         index, dist, thresholds = mcss(p.index_select(0, node)[0].double(),
                                        q.index_select(0, node)[0].double(), tokens[at],
-                                       without_replacement, u[at], valid)
+                                       without_replacement, u[at], valid,
+                                       None if point is None else point[at])
         made[kids] = torch.where(valid, thresholds, made[kids])
         accepted = index >= 0
         next_dist = torch.where(walking & ~accepted, dist, next_dist)

@@ -1,6 +1,6 @@
 """The lookup chain's decision model: a logistic P(chain token accepted | the tokens before it
 were) on `decoder.lookup.LOOKUP_FEATURES`, fitted on the train prompts' logged rounds' chains
-(those the runtime adds: not `beside_draft`), scored on val's."""
+(those the runtime adds), scored on val's."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from specstop.decoder.lookup import LOOKUP_FEATURES, LookupModel
 
 
 def examples(chains: pd.DataFrame, split: str) -> tuple[np.ndarray, np.ndarray]:
-    """(X [m, len(LOOKUP_FEATURES)], y [m]) of a split's labelled chain rows the runtime adds."""
-    rows = chains[(chains["split"] == split) & (chains["label"] >= 0) & (chains["round"] >= 0)
-                  & ~chains["beside_draft"].to_numpy(bool)]
+    """(X [m, len(LOOKUP_FEATURES)], y [m]) of a split's labelled chain rows the runtime adds
+    (those of the logged rounds)."""
+    rows = chains[(chains["split"] == split) & (chains["label"] >= 0) & (chains["round"] >= 0)]
     return rows[list(LOOKUP_FEATURES)].to_numpy(np.float64), rows["label"].to_numpy() == 1
 
 

@@ -72,7 +72,7 @@ class TreeComparison(Ranking):
     oracle: TreeResult
     families: tuple[str, ...]
     replay: TreeReplay  # the val rounds
-    replay_rows: pd.DataFrame  # their round keys, in the replay's round order
+    replay_rows: pd.DataFrame  # their round keys, node, parent, depth and token, in order
     costs: CostModel
     gate: RoundGate | None = None  # fitted on the train rounds, not yet tuned
     gate_features: np.ndarray | None = None  # [R, len(GATE_FEATURES)] of the val rounds
@@ -103,10 +103,10 @@ class TreeComparison(Ranking):
             policies[name] = {"simulated_speedup": learned, "with_vs_without": learned / without,
                               "certain_chain_speedup": certain,
                               "learned_vs_certain": learned / certain}
-        added = np.unique(val.round_index[~val.beside_draft])  # rounds a drafted tree adds a
-        # chain to
         metrics = {"model": None if model is None else model.as_dict(), **fitted,
-                   "chains": len(added), "rounds": self.replay.rounds,
+                   "chains": int(len(np.unique(val.round_index))), "rounds": self.replay.rounds,
+                   "first_token_drafted": float((val.match[val.position == 1] >= 0).mean())
+                   if len(val) else None,
                    "alone": lookup_alone(on_val, _tree_costs(self.costs, self.replay,
                                                              0.0).verify),
                    "policies": policies}
@@ -212,7 +212,8 @@ def compare(train: pd.DataFrame, val: pd.DataFrame, costs: CostModel, q_token: n
     base = _tree_costs(costs, replay, 0.0)
     static = {**best_static(replay, base), "sequoia": sequoia(replay, train_replay, base)}
     comparison = TreeComparison(static, {}, replay.oracle(base), tuple(families), replay,
-                                val[ROUND_KEYS], costs, round_gate.fit(train),
+                                val[[*ROUND_KEYS, "node", "parent", "depth", "token"]], costs,
+                                round_gate.fit(train),
                                 round_gate.round_features(val))
     for name, (p, latency) in {CONFIDENCE_TREE: (q_token, 0.0), **families}.items():
         comparison.tuned[name], comparison.rules[name] = comparison.tune(name, p, latency)

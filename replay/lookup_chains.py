@@ -1,8 +1,10 @@
 """The logged lookup chains (`collection.rows.LOOKUP_SCHEMA`) of the replayed greedy rounds.
 
-Greedy `tree` rounds with a lookup branch add the chain below the root unless the draft proposed
-its first token there (`beside_draft`), and a round gated off proposes its chain alone;
-`verify_set` keeps the prefix of it that pays.  `lookup` alone verifies every chain whole, and since collect logs the
+Greedy `tree` rounds with a lookup branch add the chain to the drafted tree: where its first
+tokens retrace drafted nodes it follows them (`match`: the replayed row each chain row is, while
+the chain retraces the logged superset tree), the rest goes below the last as a branch of its
+own, and a round gated off proposes the chain alone; `verify_set` keeps what pays
+(`dynamic.propose_tree`).  `lookup` alone verifies every chain whole, and since collect logs the
 chain below every token of the text, it is walked along each text exactly (`lookup_alone`):
 its rounds start where its own accepted chains end, not where the logged rounds did (a round
 that copies ten tokens is one round, not one per logged round inside them).  A chain
@@ -20,6 +22,8 @@ import pandas as pd
 from specstop.collection.data import ROUND_KEYS
 from specstop.decoder.lookup import LOOKUP_FEATURES, LookupModel
 
+from .simulate import parent_rows
+
 
 @dataclass(frozen=True)
 class LookupChains:
@@ -29,21 +33,37 @@ class LookupChains:
     position: np.ndarray  # [m] 1 = below the root
     features: np.ndarray  # [m, len(LOOKUP_FEATURES)] float64
     accepted: np.ndarray  # [m] bool, label 1
-    beside_draft: np.ndarray  # [m] bool, the draft proposed the chain's first token at the root
+    match: np.ndarray  # [m] the replay's row with this row's token and parent (the row
+    # matched before it, the root for the first), while the chain retraces the superset; -1 after
 
     @classmethod
-    def from_rows(cls, chains: pd.DataFrame, rounds: pd.DataFrame) -> "LookupChains":
-        """The `chains` of `rounds` (the replay's rows: ROUND_KEYS in the order its rounds are
-        numbered), rows of every other round dropped."""
-        keys = rounds[ROUND_KEYS].astype({"prompt_id": str}).drop_duplicates()
-        keys = keys.assign(replay_round=np.arange(len(keys)))
-        joined = chains.astype({"prompt_id": str}).merge(keys, on=ROUND_KEYS, how="inner",
-                                                         sort=False)
+    def from_rows(cls, chains: pd.DataFrame, rows: pd.DataFrame) -> "LookupChains":
+        """The `chains` of the replayed `rows` (ROUND_KEYS, node, parent, depth and token of
+        every row, in the replay's order), rows of every other round dropped."""
+        round_index = rows.groupby(ROUND_KEYS, sort=False, observed=True).ngroup().to_numpy()
+        keys = rows[ROUND_KEYS].astype({"prompt_id": str}).assign(replay_round=round_index)
+        joined = chains.astype({"prompt_id": str}).merge(keys.drop_duplicates(), on=ROUND_KEYS,
+                                                         how="inner", sort=False)
         joined = joined.sort_values(["replay_round", "position"], kind="stable")
-        return cls(joined["replay_round"].to_numpy(np.int64),
-                   joined["position"].to_numpy(np.int64),
+        position = joined["position"].to_numpy(np.int64)
+        drafted = pd.DataFrame({  # (round, parent row, token) -> row: greedy siblings differ
+            "replay_round": round_index, "token": rows["token"].to_numpy(np.int64),
+            "up": parent_rows(round_index, rows["node"].to_numpy(np.int64),
+                              rows["parent"].to_numpy(np.int64)),
+            "row": np.arange(len(rows))})
+        match = np.full(len(joined), -1, dtype=np.int64)
+        for j in range(1, int(position.max(initial=0)) + 1):
+            at = np.flatnonzero(position == j)
+            up = np.full(len(at), -1) if j == 1 else match[at - 1]
+            wanted = pd.DataFrame({"replay_round": joined["replay_round"].to_numpy()[at],
+                                   "token": joined["token"].to_numpy(np.int64)[at], "up": up,
+                                   "at": at})
+            found = wanted[up >= 0 if j > 1 else np.ones(len(at), bool)].merge(
+                drafted, on=["replay_round", "up", "token"], how="inner")
+            match[found["at"].to_numpy()] = found["row"].to_numpy()
+        return cls(joined["replay_round"].to_numpy(np.int64), position,
                    joined[list(LOOKUP_FEATURES)].to_numpy(np.float64),
-                   joined["label"].to_numpy() == 1, joined["beside_draft"].to_numpy(bool))
+                   joined["label"].to_numpy() == 1, match)
 
     def __len__(self) -> int:
         return len(self.round_index)

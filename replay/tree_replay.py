@@ -27,9 +27,9 @@ the draft's k' draws are its k draws).  Policies:
   sampling rule (a child count per node from s * r[d][j], r fitted on sampled train rows) is
   tuned by `tune_sampling`;
 - with a lookup branch (greedy): the logged lookup chains (`replay.lookup_chains`) join each
-  round's candidates with their survivals, and the verify set keeps the prefix that pays, as
-  `dynamic.propose_tree` does; a round gated off verifies the prefix of its chain that pays
-  alone (`dynamic.propose_chain`), a chain beside the draft's root children included;
+  round's candidates with their survivals (following the drafted rows it retraces, then below
+  them), and the verify set keeps what pays, as `dynamic.propose_tree` does; a round gated off
+  verifies the prefix of its chain that pays alone (`dynamic.propose_chain`);
 - oracle: drafts and verifies exactly the accepted path, or nothing, knowing it in advance;
 - `ar`: every round gated off (`gated`: the root alone, one one-token pass), speedup exactly 1;
   a round gate (`models.round_gate`) gates some rounds off before a dynamic tree drafts.
@@ -184,8 +184,7 @@ class TreeReplay:
                 chain_survival: np.ndarray | None = None) -> TreeResult:
         """The runtime's rule (`decoder.tree_rule`) with per-row acceptance probabilities p, the
         rounds `gated` [R] off (`decoder.round_gate`) drafting nothing; greedy rounds with a
-        lookup branch: `chains` and their rows' survivals (beside a drafted tree the chains
-        not `beside_draft`, in a gated round its chain alone)."""
+        lookup branch: `chains` and their rows' survivals (in a gated round the chain alone)."""
         rule = rule.exact_under(not self.sampled)
         if chains is not None and (self.sampled or not rule.prune):
             raise ValueError("a lookup branch is replayed on greedy rounds only")
@@ -204,9 +203,8 @@ class TreeReplay:
             candidate[below] = fed[self.parent_row[below]]
         kept, chained = self._verify(s, candidate, rule, chains, chain_survival) \
             if rule.prune else (candidate, None)
-        if chains is not None and gated is not None:
-            _, alone = self._verify(s, np.zeros_like(candidate), rule, chains, chain_survival,
-                                    alone=True)
+        if chains is not None and gated is not None:  # the chain alone
+            _, alone = self._verify(s, np.zeros_like(candidate), rule, chains, chain_survival)
             chained = np.where(gated[chains.round_index], alone, chained)
         return self.score(kept, self._fed_widths(fed, np.ones(self.rounds, dtype=np.int64)),
                           costs, gated, chains, chained)
@@ -239,12 +237,22 @@ class TreeReplay:
         return tuple(table)
 
     def _verify(self, s: np.ndarray, candidate: np.ndarray, rule: TreeRule,
-                chains: LookupChains | None = None, chain_survival: np.ndarray | None = None,
-                alone: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                chains: LookupChains | None = None, chain_survival: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
         """`tree_rule.verify_set` of every round at once: the n best candidates by the closed
-        survival (the drafted rows, then the chain's: those not `beside_draft`, or every one
-        when the chain is `alone`), n maximising sum(s) - rho * verify_cost[1 + n]: ([n] kept
-        rows, [m] kept rows of `chains`, empty without)."""
+        survival, n maximising sum(s) - rho * verify_cost[1 + n]: ([n] kept rows, [m] kept rows
+        of `chains`, empty without).  A chain's rows that retrace candidates (`match`) are
+        those candidates, with the larger of the two survivals; the rest of it are candidates
+        below the last of them (or the root), after the drafted ones
+        (`dynamic.verify_with_chain`)."""
+        if chains is not None:
+            hit = (chains.match >= 0) & candidate[chains.match.clip(0)]
+            retraced = pd.Series(hit).groupby(chains.round_index).cummin().to_numpy(bool)
+            s = s.copy()
+            np.maximum.at(s, chains.match[retraced], chain_survival[retraced])
+            attach = pd.Series(np.where(retraced, chains.match, -1)).groupby(
+                chains.round_index).cummax().to_numpy()  # the last retraced row: deeper rows
+            # come later in tree order
         key = np.where(candidate, s, -np.inf)
         for d in range(1, self.max_depth + 1):
             rows = np.flatnonzero(self.level == d)
@@ -253,12 +261,14 @@ class TreeReplay:
             key[rows] = pd.Series(key[rows]).groupby(self.sibling_group[rows]).cummin().to_numpy()
         rows = np.flatnonzero(candidate)
         ids, keys, rounds, survival = rows, key[rows], self.round_index[rows], s[rows]
-        if chains is not None:  # a chain's survival never rises along it: its own closed key
-            on = np.flatnonzero(alone | ~chains.beside_draft)
-            ids = np.concatenate([ids, len(s) + on])
-            keys = np.concatenate([keys, chain_survival[on]])
-            rounds = np.concatenate([rounds, chains.round_index[on]])
-            survival = np.concatenate([survival, chain_survival[on]])
+        if chains is not None:  # a chain's survival never rises along it: closed below its
+            # attachment
+            rest = np.flatnonzero(~retraced)
+            closed = np.minimum(chain_survival, np.where(attach >= 0, key[attach.clip(0)], np.inf))
+            ids = np.concatenate([ids, len(s) + rest])
+            keys = np.concatenate([keys, closed[rest]])
+            rounds = np.concatenate([rounds, chains.round_index[rest]])
+            survival = np.concatenate([survival, chain_survival[rest]])
         order = np.lexsort((ids, -keys, rounds))
         rounds = rounds[order]
         position = pd.Series(rounds).groupby(rounds).cumcount().to_numpy() + 1

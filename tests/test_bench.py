@@ -182,10 +182,6 @@ def test_an_unknown_sampling_method_is_refused_before_the_work(tmp_path, monkeyp
                                             r"'tree\+lightgbm' "):  # a family not trained
         run_bench(validate({"models": {"target": "absent", "draft": "absent"},
                             "bench": {"sampling_methods": ["tree+lightgbm"]}}))
-    with pytest.raises(SpecstopError, match=r"^bench\.sampling_methods: "
-                                            r"'tree\+stop_model\+lookup' runs greedy only"):
-        run_bench(validate({"models": {"target": "absent", "draft": "absent"},
-                            "bench": {"sampling_methods": ["tree+stop_model+lookup"]}}))
 
 
 def test_the_paired_bootstrap_recovers_a_known_ratio():

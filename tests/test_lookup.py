@@ -25,6 +25,7 @@ from specstop.decoder.tree_rule import TreeRule
 from specstop.features import RoundContext
 
 from conftest import perturbed_copy, tiny_llama
+from test_loop_tiny import assert_cache_holds
 
 VOCAB = 97
 
@@ -146,13 +147,17 @@ def test_lookup_stops_at_eos_and_within_the_budget(target: torch.nn.Module) -> N
 def branch_of(chain_source: list[int], levels: int = 3) -> tuple[Tree, Proposal]:
     """A drafted tree root 10 -> (11 -> 13, 12 -> 14) with the lookup branch of a text that ends
     with the root and holds `chain_source` after an earlier 10."""
+    lookup = Lookup([10, *chain_source, 5, 10])
+    return with_lookup_branch(*drafted_tree(), lookup.chain(levels))
+
+
+def drafted_tree() -> tuple[Tree, Proposal]:
+    """Root 10 -> (11 -> 13, 12 -> 14), the root and level 1 fed."""
     tree = Tree.from_parents([-1, 0, 0, 1, 2])
     q = torch.softmax(torch.randn(3, 30, generator=torch.Generator().manual_seed(0)), dim=1)
-    proposal = Proposal(tokens=torch.tensor([10, 11, 12, 13, 14]), depth=2, root_position=7,
-                        q=q, features=(), fed=torch.tensor([0, 1, 2, -1, -1]), steps=2,
-                        drafted=4)
-    lookup = Lookup([10, *chain_source, 5, 10])
-    return with_lookup_branch(tree, proposal, lookup.chain(levels))
+    return tree, Proposal(tokens=torch.tensor([10, 11, 12, 13, 14]), depth=2, root_position=7,
+                          q=q, features=(), fed=torch.tensor([0, 1, 2, -1, -1]), steps=2,
+                          drafted=4)
 
 
 def test_the_lookup_branch_goes_last_in_each_level() -> None:
@@ -163,12 +168,20 @@ def test_the_lookup_branch_goes_last_in_each_level() -> None:
     assert proposal.depth == 3 and proposal.q.shape == (7, 30)
     assert proposal.q[3].argmax() == 21 and proposal.q[6].argmax() == 22  # one-hot
     assert proposal.q[4:6].sum() == 0 and proposal.q[6].sum() == 1  # leaves of the draft
+    assert proposal.point.tolist() == [False] * 3 + [True] + [False] * 2 + [True] * 2
 
 
-def test_a_lookup_branch_is_for_greedy_tree_rounds_only() -> None:
-    with pytest.raises(ValueError, match="greedy tree rounds only"):
-        DecodeConfig(method="tree", lookup_branch=True, sampling=Sampling(1.0))
-    with pytest.raises(ValueError, match="greedy tree rounds only"):
+def test_a_lookup_branch_below_a_drafted_node_goes_after_its_drafted_children() -> None:
+    tree, proposal = with_lookup_branch(*drafted_tree(), [21, 22], below=1)  # below 11
+    assert tree.parent.tolist() == [-1, 0, 0, 1, 1, 2, 4]
+    assert proposal.tokens.tolist() == [10, 11, 12, 13, 21, 14, 22]
+    assert proposal.point.tolist() == [False] * 4 + [True, False, True]
+    assert proposal.fed.tolist() == [0, 1, 2, -1, -1, -1, -1]
+
+
+def test_a_lookup_branch_is_for_tree_rounds_only() -> None:
+    DecodeConfig(method="tree", lookup_branch=True, sampling=Sampling(1.0))  # greedy or not
+    with pytest.raises(ValueError, match="tree rounds only"):
         DecodeConfig(method="sd", lookup_branch=True)
 
 
@@ -182,28 +195,42 @@ class FixedDraft:
         return logits.expand(ids.shape[0], -1)
 
 
-def proposed_with(branch: LookupBranch) -> list[int]:
+def proposed_with(branch: LookupBranch, levels: int = 1, step: float = 0.1
+                  ) -> tuple[list[int], list[int]]:
     """The tokens a greedy tree round verifies below root 10 with `branch` beside the draft's
-    (two children of the root, one level; a pass over n tokens costs 1 + 0.1 (n - 1))."""
-    rule = TreeRule((2,), expand=0.0, rho=1.0, max_width=2,
-                    verify_cost=(0.0, *(1.0 + 0.1 * i for i in range(10))))
+    (two children of every node, `levels` deep; a pass over n tokens costs 1 + step (n - 1)),
+    and their parents."""
+    rule = TreeRule((2,) * levels, expand=0.0, rho=1.0, max_width=2,
+                    verify_cost=(0.0, *(1.0 + step * i for i in range(20))))
     context = RoundContext(1, 0, 0.0, 0.0, torch.zeros(2))
-    _, proposal, _ = propose_tree(FixedDraft(), ConfidenceTree(rule), torch.tensor([10]),
-                                  torch.full((30,), 1 / 30), 5, 3, context, Sampling(), True,
-                                  None, branch)
-    return proposal.tokens.tolist()
+    tree, proposal, _ = propose_tree(FixedDraft(), ConfidenceTree(rule), torch.tensor([10]),
+                                     torch.full((30,), 1 / 30), 5, 3, context, Sampling(), True,
+                                     None, branch)
+    return proposal.tokens.tolist(), tree.parent.tolist()
 
 
 def test_verify_set_keeps_the_prefix_of_the_chain_that_pays() -> None:
     """The chain's survivals compete with the drafted nodes' in `verify_set` (a node pays when
-    its survival exceeds rho times the cost it adds, 0.1): all, a prefix or none of it is kept,
-    and none beside a drafted child of the root with its first token."""
+    its survival exceeds rho times the cost it adds, 0.1): all, a prefix or none of it is kept.
+    The draft's survivals: 11 0.73, 12 0.27 at every node, their products below."""
     assert proposed_with(LookupBranch([20, 21, 22], np.array([0.9, 0.8, 0.5]))) == \
-        [10, 11, 12, 20, 21, 22]
-    assert proposed_with(LookupBranch([20, 21, 22], np.array([0.9, 0.05, 0.01]))) == \
+        ([10, 11, 12, 20, 21, 22], [-1, 0, 0, 0, 3, 4])
+    assert proposed_with(LookupBranch([20, 21, 22], np.array([0.9, 0.05, 0.01])))[0] == \
         [10, 11, 12, 20]
-    assert proposed_with(LookupBranch([20, 21], np.array([0.02, 0.01]))) == [10, 11, 12]
-    assert proposed_with(LookupBranch([12, 21], np.array([1.0, 1.0]))) == [10, 11, 12]
+    assert proposed_with(LookupBranch([20, 21], np.array([0.02, 0.01])))[0] == [10, 11, 12]
+
+
+def test_a_chain_that_retraces_drafted_nodes_goes_on_below_them() -> None:
+    """Where the chain's first tokens are drafted nodes it follows them (kept with the larger
+    of the two survivals) and the rest goes below the last, after its drafted siblings."""
+    assert proposed_with(LookupBranch([12, 21], np.ones(2))) == ([10, 11, 12, 21], [-1, 0, 0, 2])
+    # each node costs 0.5: 12 (0.27) alone does not pay, with the chain's 0.9 it does
+    assert proposed_with(LookupBranch([20], np.array([0.01])), step=0.5)[0] == [10, 11]
+    assert proposed_with(LookupBranch([12, 21], np.array([0.9, 0.8])), step=0.5) == \
+        ([10, 11, 12, 21], [-1, 0, 0, 2])
+    # two levels: 11 > 12 (0.20, raised to 1) > 30; 12 > 12 (0.07) does not pay
+    assert proposed_with(LookupBranch([11, 12, 30], np.ones(3)), levels=2) == \
+        ([10, 11, 12, 11, 12, 11, 30], [-1, 0, 0, 1, 1, 2, 4])
 
 
 # Verify every drafted node below a root with up to two children (a pass of n tokens costs
@@ -241,6 +268,21 @@ def test_greedy_tree_with_a_lookup_branch_equals_ar(target: torch.nn.Module,
     assert without == references and with_branch == references
     assert stats.accepted > stats_without.accepted  # the branch is taken
     assert stats.target_calls < stats_without.target_calls
+
+
+def test_caches_hold_the_committed_tokens_after_lookup_branches(target: torch.nn.Module) -> None:
+    """After greedy tree rounds whose accepted paths run from drafted nodes into the chain,
+    both caches hold exactly the committed tokens (the draft catches up on the chain's)."""
+    draft = perturbed_copy(target, 0.6, seed=1)
+    config = DecodeConfig(method="tree", max_new_tokens=40, max_depth=6, lookup_branch=True)
+    rule = TreeRule(RULE.branching, RULE.expand, 0.5, RULE.max_width, RULE.verify_cost)
+    for prompt in repetitive_prompts(3):
+        target_lm, draft_lm = KVModel(target), KVModel(draft)
+        out = generate(target_lm, ModelDrafter(draft_lm), prompt, config, ConfidenceTree(rule))
+        committed = torch.cat([prompt, torch.tensor(out.tokens)])
+        assert target_lm.length >= committed.shape[0] - 1  # the last root is not in yet
+        for lm, model in [(target_lm, target), (draft_lm, draft)]:  # the draft may lag
+            assert_cache_holds(lm, model, committed[: lm.length])
 
 
 def test_a_chain_the_model_gives_no_chance_is_never_verified(target: torch.nn.Module) -> None:

@@ -262,6 +262,8 @@ METHODS = {
     "tree": replace(BASE, method="tree", max_depth=3),
     "tree-counts": replace(BASE, method="tree", max_depth=3),
     "lookup": replace(BASE, method="lookup"),  # its draft table goes unused
+    "tree-lookup": replace(BASE, method="tree", max_depth=3, lookup_branch=True),
+    "tree-lookup-counts": replace(BASE, method="tree", max_depth=3, lookup_branch=True),
 }
 # Expands some nodes but not all (the draft's path confidence above 0.3, two per level at most);
 # its pruning (verify a node while its survival beats 0.5 x 0.5 target steps) is for greedy
@@ -272,9 +274,17 @@ TREE_RULE = TreeRule((2, 2, 1), expand=0.3, rho=0.5, max_width=2,
 # three a level (0 to 2 children per node, decided before they are drawn).
 SAMPLING_RULE = replace(TREE_RULE, expand=0.2, max_width=3,
                         rank_accept=((0.9, 0.5), (0.8, 0.4), (0.7,)))
-POLICIES = {"tree": ConfidenceTree(TREE_RULE), "tree-counts": ConfidenceTree(SAMPLING_RULE)}
+# With a lookup branch (`tree-lookup*`): the chain the text's bigrams look up joins each tree
+# (following the drafted nodes it retraces, then below them; a point mass tested after its
+# drawn siblings), its prefix that pays kept (a certain chain: all that the room allows).  The
+# exact enumeration (test_verify_exact.py) holds its negative control: on these tables, after
+# two or three drawn siblings, a chain node tested as if drawn is biased too little to see.
+POLICIES = {"tree": ConfidenceTree(TREE_RULE), "tree-counts": ConfidenceTree(SAMPLING_RULE),
+            "tree-lookup": ConfidenceTree(TREE_RULE),
+            "tree-lookup-counts": ConfidenceTree(SAMPLING_RULE)}
 MAIN = [(method, 1.0, 1.0) for method in ("sd", "mcsd-wor", "ti-mcsd", "lookup")]
-SWEEP = ([("mcsd-wr", 1.0, 1.0), ("tree", 1.0, 1.0), ("tree-counts", 1.0, 1.0)]
+SWEEP = ([("mcsd-wr", 1.0, 1.0), ("tree", 1.0, 1.0), ("tree-counts", 1.0, 1.0),
+          ("tree-lookup", 1.0, 1.0), ("tree-lookup-counts", 1.0, 1.0)]
          + [(method, 0.3, 0.9) for method in METHODS]
          + [("sd", 0.3, 1.0), ("ti-mcsd", 0.3, 1.0), ("mcsd-wor", 1.0, 0.9), ("mcsd-wr", 1.0, 0.9)])
 

@@ -40,7 +40,7 @@ def superset_rows(rounds: int, seed: int, ease: float = 0.6) -> pd.DataFrame:
             else:
                 label = 0 if parent in accepted else -1
             rows.append({"prompt_id": f"p{r // 5}", "round": r % 5, "node": i, "parent": parent,
-                         "depth": int(tree.depth[i]), "label": label,
+                         "depth": int(tree.depth[i]), "label": label, "token": 1000 + i,
                          "p": float(np.clip(rng.beta(2, 2) + 0.3 * label, 0, 1))})
     return pd.DataFrame(rows)
 
@@ -49,10 +49,11 @@ def reference(rows: pd.DataFrame, rule: TreeRule, chains: pd.DataFrame | None = 
               model: LookupModel | None = None, gated: frozenset = frozenset()
               ) -> tuple[float, float]:
     """(tokens, cost) summed over rounds, one round at a time with `feed` and `verify_set`; with
-    `chains`, each round's chain (not `beside_draft`) ranked beside the drafted candidates by
-    its survival under `model`, as `dynamic.propose_tree` does (the chain after them); the
-    rounds `gated` ((prompt_id, round) keys) draft nothing and rank their chain alone, as
-    `dynamic.propose_chain` does."""
+    `chains`, each round's chain ranked with the drafted candidates by its survival under
+    `model` (None: certain), as `dynamic.propose_tree` does: its first tokens that retrace
+    drafted candidates are those candidates, with the larger survival, the rest goes below the
+    last of them (after the drafted ones); the rounds `gated` ((prompt_id, round) keys) draft
+    nothing and rank their chain alone, as `dynamic.propose_chain` does."""
     tree = Tree(1, BRANCHING)
     tokens = cost = 0.0
     for key, rnd in rows.groupby(["prompt_id", "round"], sort=False):
@@ -74,19 +75,31 @@ def reference(rows: pd.DataFrame, rule: TreeRule, chains: pd.DataFrame | None = 
             candidates += level
         index = {c: j for j, c in enumerate(candidates)}
         n = len(candidates)
-        chain = chains[(chains["prompt_id"] == key[0]) & (chains["round"] == key[1])
-                       & (~chains["beside_draft"] | (key in gated))] \
-            if chains is not None else pd.DataFrame({"label": []})
-        m = len(chain)
         survival = [s[c] for c in candidates]
-        if m:
-            survival += np.cumprod(model.probabilities(
-                chain[list(LOOKUP_FEATURES)].to_numpy(np.float64))).tolist()
-        parent = [index.get(int(tree.parent[c]), -1) for c in candidates] \
-            + ([-1] + [n + j for j in range(m - 1)] if m else [])
-        previous = [index[c - 1] if int(tree.rank[c]) > 0 else -1 for c in candidates] + [-1] * m
-        keep = verify_set(np.array(survival), np.array(parent), np.array(previous), rule)
-        accepted = [by_node[c].label == 1 for c in candidates] + (chain["label"] == 1).tolist()
+        parent = [index.get(int(tree.parent[c]), -1) for c in candidates]
+        previous = [index[c - 1] if int(tree.rank[c]) > 0 else -1 for c in candidates]
+        accepted = [by_node[c].label == 1 for c in candidates]
+        chain = chains[(chains["prompt_id"] == key[0]) & (chains["round"] == key[1])] \
+            if chains is not None else chains
+        if chain is not None and len(chain):
+            chain_s = np.ones(len(chain)) if model is None else np.cumprod(
+                model.probabilities(chain[list(LOOKUP_FEATURES)].to_numpy(np.float64)))
+            at, m = 0, 0  # the chain's node in the drafted tree, the tokens it retraced
+            for token in chain["token"]:
+                same = [c for c in candidates if int(tree.parent[c]) == at and by_node[c].token
+                        == token]
+                if not same:
+                    break
+                at = same[0]
+                survival[index[at]] = max(survival[index[at]], chain_s[m])
+                m += 1
+            rest = len(chain) - m
+            parent += [index.get(at, -1)] + [n + j for j in range(rest - 1)] if rest else []
+            previous += [-1] * rest
+            survival += chain_s[m:].tolist()
+            accepted += (chain["label"].iloc[m:] == 1).tolist()
+        keep = verify_set(np.array(survival), np.array(parent, dtype=np.int64),
+                          np.array(previous, dtype=np.int64), rule)
         tokens += 1 + sum(a for a, k in zip(accepted, keep) if k)
         cost += sum(COSTS.step[w] for w in fed_widths) + COSTS.verify[1 + int(keep.sum())]
     return tokens, cost
@@ -147,6 +160,7 @@ def sampled_rows(rounds: int, seed: int) -> pd.DataFrame:
             a = float(rng.uniform(0, 1) * 0.6 ** int(tree.rank[i]))
             rows.append({"prompt_id": f"p{r // 5}", "temperature": 0.7, "round": r % 5,
                          "node": i, "parent": int(tree.parent[i]), "depth": int(tree.depth[i]),
+                         "token": 1000 + i,
                          "label": -1, "accept_prob": a, "p": float(rng.beta(2, 2))})
     return pd.DataFrame(rows)
 
@@ -247,22 +261,29 @@ def test_the_sampling_rule_drafts_the_slots_that_pay_for_their_verification():
 
 
 def chain_rows(rows: pd.DataFrame, seed: int) -> pd.DataFrame:
-    """A lookup chain of 1-5 tokens in most rounds (LookupChains' columns), accepted as a prefix
-    only where no drafted child of the root was; features drawn at random."""
+    """A lookup chain of 1-5 tokens in most rounds (LookupChains' columns): in half of them its
+    first tokens retrace drafted nodes (their labels), the rest are tokens of its own accepted
+    at random while the chain before them was; features drawn at random."""
     rng = np.random.default_rng(seed)
     out = []
     for (prompt_id, round_), rnd in rows.groupby(["prompt_id", "round"], sort=False):
         if rng.uniform() < 0.2:
             continue
-        alive = not ((rnd["depth"] == 1) & (rnd["label"] == 1)).any()
-        beside = bool(rng.uniform() < 0.25)
+        label_of = dict(zip(rnd["node"], rnd["label"]))
+        children = rnd.groupby("parent")["node"].apply(list).to_dict()
+        at, alive, retracing = 0, True, rng.uniform() < 0.5
         for j in range(1, int(rng.integers(1, 6)) + 1):
-            hit = alive and rng.uniform() < 0.7
-            out.append({"prompt_id": prompt_id, "round": round_, "split": "val",
-                        "label": 1 if hit else 0 if alive else -1, "beside_draft": beside,
-                        "position": float(j), "ngram": float(rng.integers(1, 3)),
+            if retracing and children.get(at) and rng.uniform() < 0.8:
+                at = int(rng.choice(children[at]))
+                token, label = 1000 + at, int(label_of[at])
+            else:
+                retracing, token = False, 5000 + j
+                hit = alive and rng.uniform() < 0.7
+                label = 1 if hit else 0 if alive else -1
+            alive = label == 1
+            out.append({"prompt_id": prompt_id, "round": round_, "split": "val", "token": token,
+                        "label": label, "position": float(j), "ngram": float(rng.integers(1, 3)),
                         "log_gap": float(rng.uniform(0, 5)), "recent": float(rng.uniform())})
-            alive = hit
     return pd.DataFrame(out)
 
 

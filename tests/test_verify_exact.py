@@ -12,6 +12,7 @@ method's dynamic trees are enumerated the same way, over every pick of candidate
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import Callable, Iterator, TypeVar
@@ -21,8 +22,10 @@ import torch
 
 import specstop.decoder.dynamic as dynamic
 import specstop.decoder.verify as verify
+from specstop.decoder.contracts import Proposal
 from specstop.decoder.costs import CostCurve
 from specstop.decoder.dynamic import propose_tree
+from specstop.decoder.lookup import with_lookup_branch
 from specstop.decoder.policy import ConfidenceTree
 from specstop.decoder.sampling import Sampling
 from specstop.decoder.tree import Tree
@@ -386,6 +389,49 @@ def test_soft_top_k_q_with_deterministic_candidates_is_biased(scripted: Scripted
     assert (out - p).abs().max() > 0.01
 
 
+def point_output(u: ScriptedUniform, p: torch.Tensor, q: torch.Tensor, cands: tuple[int, ...],
+                 wor: bool, point: bool) -> torch.Tensor:
+    """[V] exact distribution `mcss` emits for drawn candidates followed by one more, marked as
+    a point mass (`point`) or not."""
+    flags = torch.tensor([False] * (len(cands) - 1) + [point])
+
+    def run() -> tuple[int, torch.Tensor]:
+        index, dist, made = mcss(p.clone(), q.clone(), list(cands), wor, u.draw(len(cands)),
+                                 point=flags)
+        u.report(made)
+        return int(index), dist
+
+    out = torch.zeros_like(p)
+    for prob, _, _, (index, dist) in branches(u, run):
+        out += prob * (one_hot(cands[index], p.shape[0]) if index >= 0 else dist)
+    return out
+
+
+@pytest.mark.parametrize("k,wor", [(1, True), (2, True), (2, False)])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_point_candidate_after_the_drawn_ones_gives_p(scripted: ScriptedUniform, k: int,
+                                                        wor: bool, seed: int) -> None:
+    """A lookup chain's node beside drawn children (`mcss(point=...)`): tested after them with
+    u < p'(x), p' the residual they leave, then p' without x.  Whatever chose x (here a function
+    of the drawn candidates: the first token none of them is, or the first of them) the emitted
+    token is distributed as p; testing x against the drawn q̄ instead is biased."""
+    v = 5
+    p, q = random_dist(v, seed, zeros=seed % 2), random_dist(v, 40 + seed)
+
+    def emitted(choose: Callable[[tuple[int, ...]], int], point: bool) -> torch.Tensor:
+        total = torch.zeros_like(p)
+        for cands, prob in candidate_tuples(q, k, wor):
+            total += prob * point_output(scripted, p, q, cands + (choose(cands),), wor, point)
+        return total
+
+    unseen = lambda cands: min(set(range(v)) - set(cands))  # noqa: E731
+    for choose in (unseen, lambda cands: cands[0]):
+        assert torch.allclose(emitted(choose, True), p, atol=TOL, rtol=0)
+    if k == 1 and seed == 0:  # where the residual after y is not one-hot (it is for some
+        # p, q at V = 5, and then either test accepts x alike)
+        assert (emitted(unseen, False) - p).abs().max() > 1e-3
+
+
 # ---------------------------------------------------------------------------------------------
 # Greedy tree walk on crafted logits
 
@@ -528,6 +574,64 @@ def test_depth_two_walk_emits_the_target_bigram(scripted: ScriptedUniform,
             joint += prob * leaf_prob * first_two_tokens(verdict, tokens, p, eos_id)
     expected = p[root][:, None] * continuation(p, eos_id)
     assert torch.allclose(joint, expected, atol=TOL, rtol=0), (joint - expected).abs().max()
+
+
+def with_chain(tree: Tree, ids: torch.Tensor, q_rows: torch.Tensor, chain: list[int],
+               point: bool) -> tuple[Tree, Proposal]:
+    """The drafted tree (depth 2) with a lookup `chain` merged as the runtime merges it: its
+    first tokens follow the drafted nodes they retrace, the rest goes below the last of them
+    (`lookup.with_lookup_branch`, its nodes point masses unless `point` is False)."""
+    tokens, node, m = ids.tolist(), 0, 0
+    for x in chain:
+        same = [c for c in range(len(tokens)) if int(tree.parent[c]) == node and tokens[c] == x]
+        if not same:
+            break
+        node, m = same[0], m + 1
+    proposal = Proposal(tokens=ids, depth=2, root_position=0, q=q_rows, features=(),
+                        fed=torch.full((len(tokens),), -1), steps=2, drafted=len(tokens) - 1)
+    if m == len(chain):
+        return tree, proposal
+    merged, proposal = with_lookup_branch(tree, proposal, chain[m:], node)
+    return merged, proposal if point else dataclasses.replace(proposal, point=None)
+
+
+@pytest.mark.parametrize("branching", [(2, 1), (1, 1)])
+@pytest.mark.parametrize("chain", [[1, 2], [2, 3], [3, 1], [0, 0]])
+def test_a_walk_with_a_lookup_chain_emits_the_target_bigram(scripted: ScriptedUniform,
+                                                            chain: list[int],
+                                                            branching: tuple[int, int]) -> None:
+    """A sampled tree with a lookup chain merged into it (after its drawn siblings, point
+    masses: `Proposal.point`) emits the target's bigram exactly, whichever drafted nodes the
+    chain retraces; tested as if drawn from their parents' q rows, its nodes bias the output
+    (where that q is not spent on the drawn siblings)."""
+    v, root, wor = 4, 0, True
+    p, q = bigram(v, 1), bigram(v, 2)
+    tree = Tree(1, branching)
+
+    def joint(point: bool) -> torch.Tensor:
+        out = torch.zeros(v, v + 1, dtype=torch.float64)
+        for tokens, prob in tree_candidates(tree, root, q, wor):
+            ids = torch.tensor(tokens)
+            merged, proposal = with_chain(tree, ids, q[ids[: tree.size(1)]], chain, point)
+            ids = proposal.tokens
+            rows = proposal.q if point else q[ids[: merged.size(merged.max_depth - 1)]]
+            for leaf_prob, _, _, verdict in branches(scripted, lambda: scripted_point_walk(
+                    scripted, merged, ids, p[ids], rows, proposal.point)):
+                out += prob * leaf_prob * first_two_tokens(verdict, ids.tolist(), p, None)
+        return out
+
+    expected = p[root][:, None] * continuation(p, None)
+    assert torch.allclose(joint(True), expected, atol=TOL, rtol=0)
+    if branching == (1, 1):
+        assert (joint(False) - expected).abs().max() > 1e-3
+
+
+def scripted_point_walk(u: ScriptedUniform, tree: Tree, ids: torch.Tensor, p: torch.Tensor,
+                        q: torch.Tensor, point: torch.Tensor | None) -> Verdict:
+    verdict, made = sampled_walk(tree, tree.max_depth, ids, p, q, True, None,
+                                 u.draw(ids.shape[0]), point)
+    u.report(made)
+    return verdict
 
 
 def test_sampling_walk_stops_at_an_accepted_eos(scripted: ScriptedUniform) -> None:
