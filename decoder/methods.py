@@ -30,7 +30,7 @@ from specstop.features import RoundContext, draft_features, feature_index
 from .contracts import Proposal
 from .drafter import Drafter, draft_children
 from .dynamic import propose_chain, propose_tree
-from .lookup import Lookup, lookup_branch, lookup_proposal
+from .lookup import Lookup, LookupBranch, lookup_branch, lookup_proposal
 from .policy import FixedDepth, StoppingPolicy, TreePolicy
 from .round_gate import RoundGate
 from .sampling import Sampling, warp
@@ -227,8 +227,7 @@ class DynamicTree(RoundMethod):
     def propose(self, round: Round, drafter: Drafter | None, policy: StoppingPolicy | TreePolicy,
                 tree: Tree, lookup: Lookup | None, config: DecodeConfig,
                 generator: torch.Generator | None) -> Proposed:
-        branch = lookup_branch(lookup, round.levels, policy.lookup_model) \
-            if config.lookup_branch else None
+        branch = self._branch(round, policy, lookup, config)
         return Proposed(*propose_tree(drafter, policy, round.roots, round.r, round.root_position,
                                       round.levels, round.context, config.sampling,
                                       config.without_replacement, generator, branch))
@@ -237,12 +236,18 @@ class DynamicTree(RoundMethod):
                       lookup: Lookup | None, config: DecodeConfig) -> Proposed:
         """The root alone, or with a lookup branch the root and the prefix of the chain that pays
         (`dynamic.propose_chain`)."""
-        branch = lookup_branch(lookup, round.levels, policy.lookup_model) \
-            if config.lookup_branch else None
+        branch = self._branch(round, policy, lookup, config)
         if branch is None:
             return super().propose_gated(round, policy, tree, lookup, config)
         return Proposed(*propose_chain(policy, round.roots, round.r, round.root_position, branch,
                                        config.sampling.greedy))
+
+    @staticmethod
+    def _branch(round: Round, policy: TreePolicy, lookup: Lookup | None, config: DecodeConfig
+                ) -> LookupBranch | None:
+        """The round's lookup chain with `lookup_branch`, else None."""
+        return lookup_branch(lookup, round.levels, policy.lookup_model) \
+            if config.lookup_branch else None
 
 
 ROUND_METHODS: dict[str, RoundMethod] = {
