@@ -16,8 +16,14 @@ s = min(1, p/q): along one chain, sum_j prod_{i<=j} s_i, exact; where a node has
 children they are taken as tried in rank order, independently, each accepted with its s
 (multi-candidate recursive rejection with independent candidates; an approximation).
 
-Approximation: rounds are replayed as independent samples; a run with another policy would
-start its rounds at other positions of the output and see other rounds.
+A run of the replayed policy starts its rounds at other positions of the output than the
+logging run did: where a round of it yields more tokens it passes the text faster and starts
+fewer rounds there.  `run_weights` corrects for it (renewal weighting): the logging run started
+a round every `logged` tokens, the replayed one every `tokens`, so a logged round stands for
+logged / tokens of the replayed run's rounds, and every figure is a mean over the replayed run's
+rounds.  Approximation: the text is the logging run's (exact under greedy decoding) and a round's
+outcome is a function of its start position; context features (accepted history) were logged
+under the logging policy, not the replayed one.
 """
 
 from __future__ import annotations
@@ -54,6 +60,11 @@ class Replay:
     cap: np.ndarray  # [R] deepest drafted level of each round
     gain: np.ndarray  # [R, max_depth + 1] expected accepted levels of the round cut at D
     max_depth: int
+
+    @property
+    def logged(self) -> np.ndarray:
+        """[R] the tokens each logged round yielded (drafted to its cap)."""
+        return self.gain[np.arange(self.rounds), self.cap] + 1
 
     @classmethod
     def from_rows(cls, rows: pd.DataFrame, label: str) -> "Replay":
@@ -96,8 +107,11 @@ class Replay:
         accepted = self.gain[np.arange(self.rounds), depth]
         tokens = accepted + 1
         cost = costs.round_cost(extra)[depth]
-        return SimResult(float(tokens.sum() / cost.sum()), float(tokens.mean()),
-                         float((depth - accepted).mean()), float(depth.mean()))
+        w = run_weights(tokens, self.logged)
+        return SimResult(float((w * tokens).sum() / (w * cost).sum()),
+                         float(np.average(tokens, weights=w)),
+                         float(np.average(depth - accepted, weights=w)),
+                         float(np.average(depth, weights=w)))
 
     def first_rejection(self) -> np.ndarray:
         """Hard labels: stop right after the first rejected level, D = min(a + 1, cap): the
@@ -119,6 +133,16 @@ class Replay:
             depth = np.argmax(value, axis=1)
             rho = self.simulate(depth, costs).speedup
         return depth
+
+
+def run_weights(tokens: np.ndarray, logged: np.ndarray) -> np.ndarray:
+    """[R] how many rounds a run of the replayed policy starts per logged round (renewal
+    weighting): a logged round stands for the `logged` [R] tokens the logging run passed from
+    its start, where a round of the replayed policy yields `tokens` [R] (expected, >= 1).  Its
+    speed is then sum(w * tokens) / sum(w * cost) = sum(logged) / sum(logged * cost / tokens):
+    for the logging policy itself (tokens == logged), sum(tokens) / sum(cost) over the logged
+    rounds, the logging run's own speed."""
+    return logged / tokens
 
 
 def path_product(p: np.ndarray, level: np.ndarray, parent_row: np.ndarray) -> np.ndarray:

@@ -34,8 +34,9 @@ the draft's k' draws are its k draws).  Policies:
 - `ar`: every round gated off (`gated`: the root alone, one one-token pass), speedup exactly 1;
   a round gate (`models.round_gate`) gates some rounds off before a dynamic tree drafts.
 
-Rounds are replayed as independent samples, as in `replay.simulate`; context features (accepted
-history) were logged under the superset policy, not the replayed one.
+Every figure is a mean over the replayed run's rounds, weighted for where it starts them
+(`simulate.run_weights`: a logged round stands for the tokens the superset yielded there, a
+replayed round passes the tokens it yields), as in `replay.simulate`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from specstop.decoder.tree_rule import TreeRule, children
 
 from specstop.collection.data import ROUND_KEYS
 from .lookup_chains import LookupChains
-from .simulate import parent_rows, path_product
+from .simulate import parent_rows, path_product, run_weights
 
 EXPAND_GRID = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9)
 WIDTH_GRID = (1, 2, 4, 8)
@@ -114,6 +115,7 @@ class TreeReplay:
     tested: np.ndarray  # [n] P(node tested | any policy verifying it, its ancestors and its
     # earlier siblings): greedy, labelled; sampled, exact from `accept_prob`
     gain: np.ndarray  # [n] P(node accepted), the same way: a round yields 1 + sum over the kept
+    logged: np.ndarray  # [R] tokens the logged round yielded, the whole superset verified
 
     @classmethod
     def from_rows(cls, rows: pd.DataFrame, branching: tuple[int, ...]) -> "TreeReplay":
@@ -132,8 +134,9 @@ class TreeReplay:
             gain = tested * rows["accept_prob"].to_numpy(np.float64)
         else:
             tested, gain = (label >= 0).astype(np.float64), (label == 1).astype(np.float64)
+        logged = 1 + np.bincount(round_index, gain, len(cap))
         return cls(tree, round_index, level, node, parent_row, groups, label == 1, cap, sampled,
-                   tested, gain)
+                   tested, gain, logged)
 
     @property
     def rounds(self) -> int:
@@ -159,8 +162,17 @@ class TreeReplay:
             verified += np.bincount(chains.round_index, chained, self.rounds)
             tokens += np.bincount(chains.round_index, chained & chains.accepted, self.rounds)
         cost = costs.step[fed].sum(axis=1) + costs.verify[1 + verified.astype(np.int64)]
-        return TreeResult(float(tokens.sum() / cost.sum()), float(tokens.mean()),
-                          float(verified.mean()), float((fed > 0).sum(axis=1).mean()))
+        return self._result(tokens, cost, verified, (fed > 0).sum(axis=1))
+
+    def _result(self, tokens: np.ndarray, cost: np.ndarray, verified: np.ndarray,
+                draft_steps: np.ndarray) -> TreeResult:
+        """[R] each round's tokens, cost, verified nodes and draft steps, as means over the
+        replayed run's rounds (`run_weights`)."""
+        w = run_weights(tokens, self.logged)
+        return TreeResult(float((w * tokens).sum() / (w * cost).sum()),
+                          float(np.average(tokens, weights=w)),
+                          float(np.average(verified, weights=w)),
+                          float(np.average(draft_steps, weights=w)))
 
     def _fed_widths(self, fed_rows: np.ndarray, root: np.ndarray) -> np.ndarray:
         """[R, max_depth] nodes fed per level: the root (0/1), then the fed rows by level."""
@@ -293,13 +305,13 @@ class TreeReplay:
         accepted = np.bincount(self.round_index, self.accepted, self.rounds).astype(np.int64)
         k = np.arange(self.max_depth + 1)
         cost = np.where(k == 0, costs.verify[1], k * costs.step[1] + costs.verify[1 + k])
-        rho, choice = 1.0, np.zeros(self.rounds, dtype=np.int64)
+        rho = 1.0
         for _ in range(iterations):
             value = np.where(k[None, :] <= accepted[:, None], k + 1 - rho * cost[None, :], -np.inf)
             choice = np.argmax(value, axis=1)
-            rho = float((choice + 1).sum() / cost[choice].sum())
-        return TreeResult(rho, float((choice + 1).mean()), float(choice.mean()),
-                          float(choice.mean()))
+            result = self._result(choice + 1.0, cost[choice], choice, choice)
+            rho = result.speedup
+        return result
 
 
 def _tested(accept: np.ndarray, level: np.ndarray, parent_row: np.ndarray,

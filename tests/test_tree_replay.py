@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -45,17 +45,40 @@ def superset_rows(rounds: int, seed: int, ease: float = 0.6) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+@dataclass
+class Rounds:
+    """Each round's tokens and cost under a policy, and the tokens the logged superset round
+    yielded (the logging run's step there)."""
+
+    tokens: list[float] = field(default_factory=list)
+    cost: list[float] = field(default_factory=list)
+    logged: list[float] = field(default_factory=list)
+
+    def add(self, tokens: float, cost: float, logged: float) -> None:
+        self.tokens.append(tokens), self.cost.append(cost), self.logged.append(logged)
+
+    def speed(self) -> float:
+        """A run of the policy along the logged text: each logged round stands for the `logged`
+        tokens from its start, which the policy passes at cost / tokens each."""
+        t, c, n = (np.array(x) for x in (self.tokens, self.cost, self.logged))
+        return n.sum() / (n * c / t).sum()
+
+    def tokens_per_round(self) -> float:
+        """The same run's tokens per round: the tokens passed over the rounds started."""
+        t, n = np.array(self.tokens), np.array(self.logged)
+        return n.sum() / (n / t).sum()
+
+
 def reference(rows: pd.DataFrame, rule: TreeRule, chains: pd.DataFrame | None = None,
-              model: LookupModel | None = None, gated: frozenset = frozenset()
-              ) -> tuple[float, float]:
-    """(tokens, cost) summed over rounds, one round at a time with `feed` and `verify_set`; with
+              model: LookupModel | None = None, gated: frozenset = frozenset()) -> Rounds:
+    """Each round's tokens and cost, one round at a time with `feed` and `verify_set`; with
     `chains`, each round's chain ranked with the drafted candidates by its survival under
     `model` (None: certain), as `dynamic.propose_tree` does: its first tokens that retrace
     drafted candidates are those candidates, with the larger survival, the rest goes below the
     last of them (after the drafted ones); the rounds `gated` ((prompt_id, round) keys) draft
     nothing and rank their chain alone, as `dynamic.propose_chain` does."""
     tree = Tree(1, BRANCHING)
-    tokens = cost = 0.0
+    out = Rounds()
     for key, rnd in rows.groupby(["prompt_id", "round"], sort=False):
         by_node = {int(n): row for n, row in zip(rnd["node"], rnd.itertuples())}
         cap = 1 if key in gated else int(rnd["depth"].max())
@@ -100,9 +123,10 @@ def reference(rows: pd.DataFrame, rule: TreeRule, chains: pd.DataFrame | None = 
             accepted += (chain["label"].iloc[m:] == 1).tolist()
         keep = verify_set(np.array(survival), np.array(parent, dtype=np.int64),
                           np.array(previous, dtype=np.int64), rule)
-        tokens += 1 + sum(a for a, k in zip(accepted, keep) if k)
-        cost += sum(COSTS.step[w] for w in fed_widths) + COSTS.verify[1 + int(keep.sum())]
-    return tokens, cost
+        out.add(1 + sum(a for a, k in zip(accepted, keep) if k),
+                sum(COSTS.step[w] for w in fed_widths) + COSTS.verify[1 + int(keep.sum())],
+                1 + (rnd["label"] == 1).sum())
+    return out
 
 
 @pytest.mark.parametrize("expand,rho,width", [(0.0, 0.0, 8), (0.3, 1.0, 2), (0.6, 2.5, 1),
@@ -112,9 +136,9 @@ def test_dynamic_replay_matches_the_runtime_rule_round_by_round(expand, rho, wid
     replay = TreeReplay.from_rows(rows, BRANCHING)
     rule = COSTS.rule(BRANCHING, expand, rho, width)
     result = replay.dynamic(rows["p"].to_numpy(), rule, COSTS)
-    tokens, cost = reference(rows, rule)
-    assert result.speedup == pytest.approx(tokens / cost, rel=1e-12)
-    assert result.tokens_per_round == pytest.approx(tokens / replay.rounds, rel=1e-12)
+    rounds = reference(rows, rule)
+    assert result.speedup == pytest.approx(rounds.speed(), rel=1e-12)
+    assert result.tokens_per_round == pytest.approx(rounds.tokens_per_round(), rel=1e-12)
 
 
 def test_static_chain_counts_the_accepted_rank0_prefix():
@@ -123,12 +147,64 @@ def test_static_chain_counts_the_accepted_rank0_prefix():
     chain = shape_nodes(replay.tree, (1, 1, 1), 2)
     assert chain.sum() == 3  # root, rank-0 child, rank-0 grandchild
     result = replay.static(chain, COSTS)
-    tokens = cost = 0.0
+    rounds = Rounds()
     for _, rnd in rows.groupby(["prompt_id", "round"], sort=False):
         on = rnd[rnd["node"].isin(np.flatnonzero(chain))]
-        tokens += 1 + (on["label"] == 1).sum()
-        cost += COSTS.step[1] * on["depth"].max() + COSTS.verify[1 + len(on)]
-    assert result.speedup == pytest.approx(tokens / cost, rel=1e-12)
+        rounds.add(1 + (on["label"] == 1).sum(),
+                   COSTS.step[1] * on["depth"].max() + COSTS.verify[1 + len(on)],
+                   1 + (rnd["label"] == 1).sum())
+    assert result.speedup == pytest.approx(rounds.speed(), rel=1e-12)
+
+
+def logged_walk(easy: np.ndarray, tree: Tree) -> tuple[pd.DataFrame, int]:
+    """The logging run along a greedy text: `easy[y]` says the draft's rank-0 token at text
+    position y is the target's.  Each round drafts the superset tree at its start x (only the
+    rank-0 chain can be accepted) and the run moves on by the tokens it yields.  Returns the
+    rows and the position where the walk stopped."""
+    rows, x, r = [], 0, 0
+    end = len(easy) - tree.max_depth
+    while x < end:
+        accepted = {0}
+        for i in range(1, len(tree.parent)):
+            parent = int(tree.parent[i])
+            hit = parent in accepted and int(tree.rank[i]) == 0 and easy[x + tree.depth[i] - 1]
+            if hit:
+                accepted.add(i)
+            rows.append({"prompt_id": f"p{r // 1000}", "round": r % 1000, "node": i,
+                         "parent": parent, "depth": int(tree.depth[i]), "token": 1000 + i,
+                         "label": 1 if hit else 0 if parent in accepted else -1})
+        x, r = x + len(accepted), r + 1
+    return pd.DataFrame(rows), end
+
+
+def test_the_replay_is_a_run_of_the_policy_along_the_logged_text():
+    """A policy that yields more tokens per round than the logging run starts fewer rounds:
+    the replay weights each logged round for where the policy's own run starts them, and comes
+    within 3% of walking the text with each static chain (the logging policy itself exactly);
+    the plain mean over logged rounds (the negative control) misses by more."""
+    rng = np.random.default_rng(0)
+    ease = np.where((np.arange(6000) // 40) % 2 == 0, 0.95, 0.3)  # easy and hard stretches
+    easy = rng.uniform(size=len(ease)) < ease
+    tree = Tree(1, BRANCHING)
+    rows, end = logged_walk(easy, tree)
+    replay = TreeReplay.from_rows(rows, BRANCHING)
+    for depth in range(1, tree.max_depth + 1):
+        chain = shape_nodes(tree, (1, 1, 1), depth)
+        cost = depth * COSTS.step[1] + COSTS.verify[1 + depth]
+        x = tokens = rounds = 0
+        while x < end:
+            accepted = 0
+            while accepted < depth and easy[x + accepted]:
+                accepted += 1
+            x, tokens, rounds = x + 1 + accepted, tokens + 1 + accepted, rounds + 1
+        walked = tokens / (rounds * cost)
+        replayed = replay.static(chain, COSTS).speedup
+        plain = (1 + (replay.accepted & chain[replay.node]).sum() / replay.rounds) / cost
+        if depth == tree.max_depth:  # the logging policy
+            assert replayed == pytest.approx(walked, rel=1e-9)
+        else:
+            assert replayed == pytest.approx(walked, rel=0.03)
+            assert abs(replayed - walked) < abs(plain - walked)
 
 
 def test_oracle_bounds_every_policy_and_the_grid_contains_the_chain():
@@ -203,7 +279,7 @@ def test_sampling_rule_replay_is_the_runtime_rule_and_its_monte_carlo(expand, wi
     rule = COSTS.rule(BRANCHING, expand, 1.2, width, table)  # rho: the verify cost counts
     result = replay.dynamic(rows["p"].to_numpy(), rule, COSTS)
     tree, rng = Tree(1, BRANCHING), np.random.default_rng(0)
-    tokens = cost = mc = 0.0
+    rounds, mc = Rounds(), 0.0
     for _, rnd in rows.groupby(["prompt_id", "round"], sort=False):
         p = {int(n): x for n, x in zip(rnd["node"], rnd["p"])}
         accept = {int(n): a for n, a in zip(rnd["node"], rnd["accept_prob"])}
@@ -219,21 +295,25 @@ def test_sampling_rule_replay_is_the_runtime_rule_and_its_monte_carlo(expand, wi
             kept |= set(level)
             for k in level:
                 s[k] = s[int(tree.parent[k])] * p[k]
-        exact = 0.0
-        for c in kept:  # P(accepted): the parent's, the earlier siblings rejected, its own
-            path, node = 1.0, c
-            while node:
-                up = int(tree.parent[node])
-                earlier = [b for b in tree.children(up) if b < node]
-                path *= accept[node] * np.prod([1 - accept[b] for b in earlier])
-                node = up
-            exact += path
-        tokens += 1 + exact
+        exact = sum(accepted_probability(c, accept, tree) for c in kept)
+        rounds.add(1 + exact, sum(COSTS.step[w] for w in widths) + COSTS.verify[1 + len(kept)],
+                   1 + sum(accepted_probability(c, accept, tree) for c in accept))
         mc += 1 + walks(accept, kept, tree, 3000, rng)
-        cost += sum(COSTS.step[w] for w in widths) + COSTS.verify[1 + len(kept)]
-    assert result.speedup == pytest.approx(tokens / cost, rel=1e-12)
-    assert result.tokens_per_round == pytest.approx(tokens / replay.rounds, rel=1e-12)
-    assert mc / replay.rounds == pytest.approx(tokens / replay.rounds, abs=0.03)
+    assert result.speedup == pytest.approx(rounds.speed(), rel=1e-12)
+    assert result.tokens_per_round == pytest.approx(rounds.tokens_per_round(), rel=1e-12)
+    assert mc / replay.rounds == pytest.approx(np.mean(rounds.tokens), abs=0.03)
+
+
+def accepted_probability(node: int, accept: dict[int, float], tree: Tree) -> float:
+    """P(node accepted): along its path, each node's acceptance with its earlier siblings
+    rejected."""
+    path = 1.0
+    while node:
+        up = int(tree.parent[node])
+        earlier = [b for b in tree.children(up) if b < node]
+        path *= accept[node] * np.prod([1 - accept[b] for b in earlier])
+        node = up
+    return path
 
 
 def test_rank_acceptance_is_the_tested_weighted_rate_and_non_increasing():
@@ -307,8 +387,8 @@ def test_lookup_chain_replay_matches_the_runtime_rule_round_by_round(expand, rho
     gated = frozenset(tuple(k) for k, o in zip(keys, off) if o)
     result = replay.dynamic(rows["p"].to_numpy(), rule, COSTS, off if gated else None, logged,
                             logged.survival(model))
-    tokens, cost = reference(rows, rule, chains, model, gated)
-    assert result.speedup == pytest.approx(tokens / cost, rel=1e-12)
+    assert result.speedup == pytest.approx(reference(rows, rule, chains, model, gated).speed(),
+                                           rel=1e-12)
     without = replay.dynamic(rows["p"].to_numpy(), rule, COSTS, off if gated else None)
     assert result.verified > without.verified  # some chain tokens are kept
     certain = replay.dynamic(rows["p"].to_numpy(), rule, COSTS, off if gated else None, logged,
