@@ -88,7 +88,7 @@ def bench_methods(runtime: Runtime, prompts: list[torch.Tensor], methods: list[M
     rotates by one per prompt, so none always runs first or last and drift hits all alike.  The
     first method (`ar`) is the reference of `identical` and, with `divergence` (greedy runs), of
     the divergence gaps.  Then every output is scored under the target (outside the timed
-    decodes).  `progress`: a tqdm label."""
+    decodes, each distinct output once).  `progress`: a tqdm label."""
     results = [MethodResult(m.name, DecodeStats()) for m in methods]
     for method in methods:
         method.decode(prompts[0][:WARM_UP_TOKENS], seed)
@@ -102,13 +102,18 @@ def bench_methods(runtime: Runtime, prompts: list[torch.Tensor], methods: list[M
         for k, result in enumerate(results):
             result.add(generations[k], generations[0].tokens)
     bar.close()
+    logprob, gap = {}, {}  # by (prompt, output): methods often give the same output
     for result in results:
-        result.logprobs = [mean_target_logprob(runtime.target, prompt, tokens)
-                           for prompt, tokens in zip(prompts, result.outputs)]
+        for i, (prompt, reference, tokens) in enumerate(
+                zip(prompts, results[0].outputs, result.outputs)):
+            key = (i, tuple(tokens))
+            if key not in logprob:
+                logprob[key] = mean_target_logprob(runtime.target, prompt, tokens)
+                gap[key] = divergence_gap(runtime.target, prompt, reference, tokens) \
+                    if divergence else None
+        result.logprobs = [logprob[(i, tuple(t))] for i, t in enumerate(result.outputs)]
         if divergence:
-            result.divergence_gaps = [
-                divergence_gap(runtime.target, prompt, reference, tokens)
-                for prompt, reference, tokens in zip(prompts, results[0].outputs, result.outputs)]
+            result.divergence_gaps = [gap[(i, tuple(t))] for i, t in enumerate(result.outputs)]
     return results
 
 
