@@ -18,7 +18,7 @@ children they are taken as tried in rank order, independently, each accepted wit
 
 A run of the replayed policy starts its rounds at other positions of the output than the
 logging run did: where a round of it yields more tokens it passes the text faster and starts
-fewer rounds there.  `run_weights` corrects for it (renewal weighting): the logging run started
+fewer rounds there.  `run_means` corrects for it (renewal weighting): the logging run started
 a round every `logged` tokens, the replayed one every `tokens`, so a logged round stands for
 logged / tokens of the replayed run's rounds, and every figure is a mean over the replayed run's
 rounds.  Approximation: the text is the logging run's (exact under greedy decoding) and a round's
@@ -107,11 +107,7 @@ class Replay:
         accepted = self.gain[np.arange(self.rounds), depth]
         tokens = accepted + 1
         cost = costs.round_cost(extra)[depth]
-        w = run_weights(tokens, self.logged)
-        return SimResult(float((w * tokens).sum() / (w * cost).sum()),
-                         float(np.average(tokens, weights=w)),
-                         float(np.average(depth - accepted, weights=w)),
-                         float(np.average(depth, weights=w)))
+        return SimResult(*run_means(tokens, cost, self.logged, depth - accepted, depth))
 
     def first_rejection(self) -> np.ndarray:
         """Hard labels: stop right after the first rejected level, D = min(a + 1, cap): the
@@ -135,14 +131,17 @@ class Replay:
         return depth
 
 
-def run_weights(tokens: np.ndarray, logged: np.ndarray) -> np.ndarray:
-    """[R] how many rounds a run of the replayed policy starts per logged round (renewal
-    weighting): a logged round stands for the `logged` [R] tokens the logging run passed from
-    its start, where a round of the replayed policy yields `tokens` [R] (expected, >= 1).  Its
-    speed is then sum(w * tokens) / sum(w * cost) = sum(logged) / sum(logged * cost / tokens):
-    for the logging policy itself (tokens == logged), sum(tokens) / sum(cost) over the logged
-    rounds, the logging run's own speed."""
-    return logged / tokens
+def run_means(tokens: np.ndarray, cost: np.ndarray, logged: np.ndarray,
+              *values: np.ndarray) -> tuple[float, ...]:
+    """(speed, tokens per round, the mean of each of `values`) over the rounds a run of the
+    replayed policy starts, from [R] per logged round: its `tokens` (expected, >= 1) and `cost`,
+    and the `logged` tokens the logging run passed from there (renewal weighting).  The run
+    starts logged / tokens rounds per logged round, so its speed is
+    sum(logged) / sum(logged * cost / tokens): for the logging policy itself (tokens ==
+    logged), sum(tokens) / sum(cost) over the logged rounds, the logging run's own speed."""
+    w = logged / tokens
+    return (float((w * tokens).sum() / (w * cost).sum()), float(np.average(tokens, weights=w)),
+            *(float(np.average(v, weights=w)) for v in values))
 
 
 def path_product(p: np.ndarray, level: np.ndarray, parent_row: np.ndarray) -> np.ndarray:

@@ -35,7 +35,7 @@ the draft's k' draws are its k draws).  Policies:
   a round gate (`models.round_gate`) gates some rounds off before a dynamic tree drafts.
 
 Every figure is a mean over the replayed run's rounds, weighted for where it starts them
-(`simulate.run_weights`: a logged round stands for the tokens the superset yielded there, a
+(`simulate.run_means`: a logged round stands for the tokens the superset yielded there, a
 replayed round passes the tokens it yields), as in `replay.simulate`.
 """
 
@@ -52,7 +52,7 @@ from specstop.decoder.tree_rule import TreeRule, children
 
 from specstop.collection.data import ROUND_KEYS
 from .lookup_chains import LookupChains
-from .simulate import parent_rows, path_product, run_weights
+from .simulate import parent_rows, path_product, run_means
 
 EXPAND_GRID = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9)
 WIDTH_GRID = (1, 2, 4, 8)
@@ -162,17 +162,7 @@ class TreeReplay:
             verified += np.bincount(chains.round_index, chained, self.rounds)
             tokens += np.bincount(chains.round_index, chained & chains.accepted, self.rounds)
         cost = costs.step[fed].sum(axis=1) + costs.verify[1 + verified.astype(np.int64)]
-        return self._result(tokens, cost, verified, (fed > 0).sum(axis=1))
-
-    def _result(self, tokens: np.ndarray, cost: np.ndarray, verified: np.ndarray,
-                draft_steps: np.ndarray) -> TreeResult:
-        """[R] each round's tokens, cost, verified nodes and draft steps, as means over the
-        replayed run's rounds (`run_weights`)."""
-        w = run_weights(tokens, self.logged)
-        return TreeResult(float((w * tokens).sum() / (w * cost).sum()),
-                          float(np.average(tokens, weights=w)),
-                          float(np.average(verified, weights=w)),
-                          float(np.average(draft_steps, weights=w)))
+        return TreeResult(*run_means(tokens, cost, self.logged, verified, (fed > 0).sum(axis=1)))
 
     def _fed_widths(self, fed_rows: np.ndarray, root: np.ndarray) -> np.ndarray:
         """[R, max_depth] nodes fed per level: the root (0/1), then the fed rows by level."""
@@ -309,7 +299,8 @@ class TreeReplay:
         for _ in range(iterations):
             value = np.where(k[None, :] <= accepted[:, None], k + 1 - rho * cost[None, :], -np.inf)
             choice = np.argmax(value, axis=1)
-            result = self._result(choice + 1.0, cost[choice], choice, choice)
+            result = TreeResult(*run_means(choice + 1.0, cost[choice], self.logged, choice,
+                                           choice))
             rho = result.speedup
         return result
 
