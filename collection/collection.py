@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from specstop.common.files import remove_temp_files, resume_or_set_aside, write_json
 from specstop.common.params import CollectConfig, ModelsConfig
-from specstop.decoder.costs import measure_costs
+from specstop.decoder.costs import VerifyCosts, measure_costs
 from specstop.decoder.loop import DecodeConfig, DecodeStats, tree_for
 from specstop.decoder.policy import FixedDepth
 from specstop.decoder.runtime import Runtime
@@ -93,12 +93,15 @@ def _prompt_seed(seed: int, prompt_id: str) -> int:
 
 def collect(runtime: Runtime, parts: list[Part], config: DecodeConfig, collect: CollectConfig,
             models: ModelsConfig, rank: int = 0, world: int = 1,
-            verify_widths: tuple[int, ...] = ()) -> dict | None:
+            verify_widths: tuple[int, ...] = (),
+            runtime_table: VerifyCosts | None = None) -> dict | None:
     """Decode this process's share of `parts` (each at every temperature of
     `collect.temperatures`) not written yet; rank 0 sets aside parts logged
     under other settings first and, at the end, measures the cost model (target passes at the
     tree's sizes and `verify_widths`, draft steps up to DYNAMIC_STEP_WIDTHS nodes) and writes
-    the summary, which it returns (the other ranks return None)."""
+    the summary, which it returns (the other ranks return None).  With `runtime_table` (the
+    verify costs the runtime pads with) the cost model's target curve is that table
+    (`measure_costs`)."""
     out, parts = collect.out, at_temperatures(parts, collect.temperatures)
     if rank == 0:
         resume_or_set_aside(out / "parts", _fingerprint(collect, models), out / STALE,
@@ -124,7 +127,8 @@ def collect(runtime: Runtime, parts: list[Part], config: DecodeConfig, collect: 
         threads = torch.get_num_threads()
         torch.set_num_threads(_all_cores())  # costs as one decoding process sees them
         table = measure_costs(runtime.target, runtime.draft, tree_for(config),
-                              verify_widths=verify_widths, step_widths=DYNAMIC_STEP_WIDTHS)
+                              verify_widths=verify_widths, step_widths=DYNAMIC_STEP_WIDTHS,
+                              runtime_table=runtime_table)
         torch.set_num_threads(threads)
         write_json(out / "costs.json", table)
         summary = _summary(out, parts, elapsed, world)

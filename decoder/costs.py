@@ -15,7 +15,8 @@
 - `VerifyCosts`: stage `prepare`'s table for the target (data/costs/verify.json); its `.curve`
   is what the runtime pads with.
 - `measure_costs`: the table stage `collect` records beside the logged rounds (costs.json):
-  target pass by tree size, draft step by level width, decision latency.
+  target pass by width (the runtime's `VerifyCosts` where one applies, else measured at the
+  tree's sizes), draft step by level width, decision latency.
 - `CostModel`: that table as the replay reads it: the target's and the draft's curves.
 """
 
@@ -25,7 +26,7 @@ import json
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -184,23 +185,38 @@ def measure_verify_costs(lm: KVModel, name: str, widths: list[int], context: int
 
 
 def measure_costs(target: KVModel, draft: KVModel | None, tree: Tree, repeats: int = 10,
-                  verify_widths: tuple[int, ...] = (), step_widths: tuple[int, ...] = ()) -> dict:
+                  verify_widths: tuple[int, ...] = (), step_widths: tuple[int, ...] = (),
+                  runtime_table: VerifyCosts | None = None) -> dict:
     """The cost model's table (`costs.json`): seconds per target pass by size of the tree cut
     at each depth (and `verify_widths`), per draft step by level width (and `step_widths`: a
-    dynamic tree feeds other widths), per decision (features + a threshold)."""
+    dynamic tree feeds other widths), per decision (features + a threshold).
+
+    With `runtime_table` (stage `prepare`'s, the one the decode loop pads with) the target's
+    curve is that table, so the replay prices the passes the runtime pays; the target's step is
+    timed once more beside the draft's, and the draft's seconds are scaled by the table's step
+    over it, so that a host faster or slower than at `prepare` does not skew the draft's share.
+    On a shared CPU two tables' ratios differ by several percent (README, Collect): the
+    replay and the loop read one."""
     tree_sizes = [tree.size(d) for d in range(tree.max_depth + 1)]
     level_widths = sorted({tree.level_start[d + 1] - tree.level_start[d]
                            for d in range(tree.max_depth)} | set(step_widths))
-    verify = measure_verify_costs(target, "target", sorted(set(tree_sizes) | set(verify_widths)),
-                                  repeats=repeats)
+    if runtime_table is None:
+        verify = measure_verify_costs(target, "target", sorted(set(tree_sizes) | set(verify_widths)),
+                                      repeats=repeats)
+        source, scale = "measured", 1.0
+    else:
+        verify, source = runtime_table, "runtime"
+        scale = verify.seconds[1] / measure_verify_costs(target, "target", [], repeats=repeats
+                                                         ).seconds[1]
     result = {"tree_sizes": tree_sizes, "threads": torch.get_num_threads(),
-              "target": asdict(verify)}
+              "target": asdict(verify), "target_source": source}
     if draft is not None:
         step = measure_verify_costs(draft, "draft", level_widths, repeats=repeats)
+        step = replace(step, seconds={n: t * scale for n, t in step.seconds.items()})
         result["draft"] = asdict(step)
         result["c"] = step.seconds[1] / verify.seconds[1]
     result["decision_seconds"] = _decision_seconds(target.vocab_size, max(level_widths),
-                                                   repeats)
+                                                   repeats) * scale
     return result
 
 

@@ -6,6 +6,7 @@ from contextlib import nullcontext
 
 from specstop.common.files import folder_lock
 from specstop.common.params import Params
+from specstop.decoder.costs import VerifyCosts
 from specstop.decoder.runtime import decode_config
 from specstop.drafts.loading import load_runtime, require_draft
 from specstop.drafts.store import check_held_out
@@ -26,6 +27,8 @@ def run(params: Params) -> dict | None:
         runtime = load_runtime(models.target, models.draft, models.dtype,
                                collection.process_device(models.device),
                                models.target_cache,  # every check before the logs are touched
-                               cpu_kernel=models.cpu_kernel, compile=models.compile)
+                               costs=params.costs.path, cpu_kernel=models.cpu_kernel,
+                               compile=models.compile)
+        table = None if runtime.costs is None else VerifyCosts.load(params.costs.path)
         return collection.collect(runtime, parts, config, collect, models, rank, world,
-                                  tuple(params.costs.widths))
+                                  tuple(params.costs.widths), table)

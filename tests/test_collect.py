@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from specstop.decoder.costs import CostModel
 from specstop.decoder.drafter import ModelDrafter
 from specstop.drafts.store import DRAFT_META_FILE
 from specstop.decoder.kv import KVModel
@@ -27,7 +28,7 @@ from specstop.collection.rows import (LOOKUP, RoundLogger, read_lookup_rows, rea
                                       read_parts, write_part)
 from specstop.common.errors import SpecstopError
 from specstop.common.params import validate
-from specstop.pipeline import collect
+from specstop.pipeline import collect, prepare
 from specstop.replay.lookup_chains import lookup_alone
 
 from conftest import perturbed_copy, tiny_llama, write_chat_prompts
@@ -82,6 +83,34 @@ def test_collect_writes_labelled_rows_and_resumes(tiny_target, tmp_path, monkeyp
     collect.run(validate(params))
     depths = read_parts(out).column("depth").to_numpy()
     assert depths.max() == 3 and sorted_rows(out) != first
+
+
+def test_the_cost_model_prices_the_target_with_the_table_the_runtime_pads_with(
+        tiny_target, tmp_path, monkeypatch):
+    """With stage prepare's table the cost model's target curve is that table, read as the
+    loop reads it, and the draft's step is rescaled to its time; without one it is measured."""
+    monkeypatch.chdir(tmp_path)
+    params = make_workdir(tmp_path, tiny_target)
+    params["collect"].update(max_prompts=1, splits=["val"])
+    costs = Path(params["collect"]["out"]) / "costs.json"
+    collect.run(validate(params))
+    measured = json.loads(costs.read_text())
+    assert measured["target_source"] == "measured"
+    params["costs"] = {"widths": [2, 4], "context": 16, "repeats": 2}
+    prepare.run(validate(params))
+    table = json.loads(Path("data/costs/verify.json").read_text())
+    table["seconds"] = {"1": 1000.0, "2": 1100.0, "4": 1200.0}  # a host 1000x slower than this
+    Path("data/costs/verify.json").write_text(json.dumps(table))
+    costs.unlink()
+    collect.run(validate(params))  # the parts are kept: only the cost model is measured
+    priced = json.loads(costs.read_text())
+    assert priced["target_source"] == "runtime"
+    assert priced["target"]["seconds"] == table["seconds"]
+    model = CostModel.load(costs)
+    assert model.target_step == 1000.0 and model.target.price(4) == pytest.approx(1.2)
+    # the draft's step in the table's time: its share of a target step is what it measured
+    assert priced["draft"]["seconds"]["1"] > 10 * measured["draft"]["seconds"]["1"]
+    assert priced["c"] == pytest.approx(measured["c"], rel=0.8)
 
 
 def test_collect_logs_each_temperature_in_parts_of_its_own(tiny_target, tmp_path, monkeypatch):
