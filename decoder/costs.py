@@ -201,8 +201,8 @@ def measure_costs(target: KVModel, draft: KVModel | None, tree: Tree, repeats: i
     level_widths = sorted({tree.level_start[d + 1] - tree.level_start[d]
                            for d in range(tree.max_depth)} | set(step_widths))
     if runtime_table is None:
-        verify = measure_verify_costs(target, "target", sorted(set(tree_sizes) | set(verify_widths)),
-                                      repeats=repeats)
+        widths = sorted(set(tree_sizes) | set(verify_widths))
+        verify = measure_verify_costs(target, "target", widths, repeats=repeats)
         source, scale = "measured", 1.0
     else:
         verify, source = runtime_table, "runtime"
