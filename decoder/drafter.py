@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from .kv import KVModel
-from .sampling import Sampling
+from .sampling import Sampling, sample, sample_without_replacement
 from .tree import Tree
 
 
@@ -167,15 +167,12 @@ def draft_children(
     """k candidate tokens per node, [m, k], in sampling order.
 
     Greedy: the draft's top-k.  Sampling with replacement: i.i.d. draws.  Without replacement:
-    Gumbel-top-k, which is distributed as sequential draws from the renormalised rest; when q's
-    support is smaller than k the surplus candidates have q = 0 and verification skips them.
+    sequential draws from the renormalised rest; when q's support is smaller than k the surplus
+    candidates have q = 0 and verification skips them.
     """
     if sampling.greedy:
         return q.topk(k, dim=1).indices
     if k == 1 or not without_replacement:
-        return torch.multinomial(q, k, replacement=True, generator=generator)
-    u = torch.rand(q.shape, dtype=torch.float64, generator=generator, device=q.device)
-    gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-    keys = torch.where(q > 0, q.double().log() + gumbel, float("-inf"))
-    return keys.topk(k, dim=1).indices
+        return sample(q, generator, k)
+    return sample_without_replacement(q, k, generator)
 

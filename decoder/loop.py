@@ -256,7 +256,7 @@ def draw_roots(
                               without_replacement=True, generator=generator)[0]
     if config.sampling.greedy:
         return r.argmax(dim=0, keepdim=True)
-    return sample(r.float(), generator)
+    return sample(r, generator)
 
 
 def score(target: KVModel, tree: Tree, proposal: Proposal, sampling: Sampling,

@@ -60,6 +60,36 @@ def uniforms(n: int, device: torch.device, generator: torch.Generator | None) ->
     return torch.rand(n, dtype=torch.float64, generator=generator, device=source).to(device)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id [1] from probs [V], on their device (no sync)."""
-    return torch.multinomial(probs, 1, generator=generator)
+def sample(probs: torch.Tensor, generator: torch.Generator | None, k: int = 1) -> torch.Tensor:
+    """k i.i.d. token ids per row of probs [..., V] -> [..., k], on their device (no sync): the
+    inverse CDF at one uniform per draw (`torch.multinomial`, like a Gumbel or exponential race,
+    spends a random number per vocabulary entry: 1 ms a draw over 49k tokens on a 2-core CPU,
+    against 0.06)."""
+    rows = probs.reshape(-1, probs.shape[-1]).double()
+    u = uniforms(rows.shape[0] * k, probs.device, generator).view(-1, k)
+    return inverse_cdf(rows, u).view(*probs.shape[:-1], k)
+
+
+def sample_without_replacement(q: torch.Tensor, k: int,
+                               generator: torch.Generator | None) -> torch.Tensor:
+    """[m, k] token ids per row of q [m, V], drawn in turn from what is left of the row,
+    renormalised (the definition; one uniform per draw).  Once a row's support is used up the
+    remaining slots hold a token of q 0, which verification skips."""
+    weights = q.double()
+    u = uniforms(q.shape[0] * k, q.device, generator).view(-1, k)
+    padding = (q == 0).long().argmax(dim=1, keepdim=True)  # the first token of q 0
+    picks = []
+    for j in range(k):
+        mass = weights.sum(dim=1, keepdim=True)
+        pick = torch.where(mass > 0, inverse_cdf(weights, u[:, j : j + 1]), padding)
+        weights = weights.scatter(1, pick, 0.0)
+        picks.append(pick)
+    return torch.cat(picks, dim=1)
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[m, k] the token of each row of weights [m, V] (float64, >= 0) at its uniforms u [m, k]:
+    the first whose cumulative weight exceeds u times the row's mass, so never one of weight 0
+    (a row of mass 0 gives V)."""
+    cdf = weights.cumsum(dim=1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
