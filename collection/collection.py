@@ -22,8 +22,9 @@ from tqdm import tqdm
 
 from specstop.common.files import remove_temp_files, resume_or_set_aside, write_json
 from specstop.common.params import CollectConfig, ModelsConfig
-from specstop.decoder.costs import VerifyCosts, measure_costs
+from specstop.decoder.costs import CostCurve, VerifyCosts, measure_costs
 from specstop.decoder.loop import DecodeConfig, DecodeStats, tree_for
+from specstop.decoder.overhead import measuring_policy, round_overhead
 from specstop.decoder.policy import FixedDepth
 from specstop.decoder.runtime import Runtime
 from specstop.decoder.sampling import Sampling
@@ -129,12 +130,32 @@ def collect(runtime: Runtime, parts: list[Part], config: DecodeConfig, collect: 
         table = measure_costs(runtime.target, runtime.draft, tree_for(config),
                               verify_widths=verify_widths, step_widths=DYNAMIC_STEP_WIDTHS,
                               runtime_table=runtime_table)
+        table["round_overhead"] = _round_overhead(runtime, parts, config, collect, table)
         torch.set_num_threads(threads)
         write_json(out / "costs.json", table)
         summary = _summary(out, parts, elapsed, world)
         write_json(collect.summary, summary)
         return summary
     return None
+
+
+def _round_overhead(runtime: Runtime, parts: list[Part], config: DecodeConfig,
+                    collect: CollectConfig, table: dict) -> dict[str, float]:
+    """`ar` steps a drafted tree round spends outside its passes and decisions beyond an `ar`
+    round (`overhead.round_overhead`), greedy and at the first sampled temperature, on the
+    first `overhead_prompts` val prompts (any split's without val); {} without a draft."""
+    texts = [t for p in sorted(parts, key=lambda p: p.split != "val") for t in p.texts]
+    if runtime.drafter is None or not collect.overhead_prompts or not texts:
+        return {}
+    prompts = [runtime.encode(t, chat=False, special_tokens=False)
+               for t in texts[: collect.overhead_prompts]]
+    policy = measuring_policy(tree_for(config).branching, CostCurve(table["target"]["seconds"]))
+    out = {"greedy": round_overhead(runtime, prompts, config, policy)}
+    sampled = [t for t in collect.temperatures if t > 0]
+    if sampled:
+        hot = replace(config, sampling=Sampling(sampled[0], collect.top_p))
+        out["sampled"] = round_overhead(runtime, prompts, hot, policy)
+    return out
 
 
 def _fingerprint(collect: CollectConfig, models: ModelsConfig) -> dict:
@@ -145,7 +166,7 @@ def _fingerprint(collect: CollectConfig, models: ModelsConfig) -> dict:
     for f in files:
         digest.update(f.relative_to(draft).as_posix().encode())
         digest.update(f.read_bytes())
-    return {"collect": collect.model_dump(mode="json"), "models": models.model_dump(mode="json"),
+    return {"collect": collect.model_dump(mode="json", exclude={"overhead_prompts"}), "models": models.model_dump(mode="json"),
             "draft_files": digest.hexdigest()}
 
 

@@ -17,7 +17,8 @@
 - `measure_costs`: the table stage `collect` records beside the logged rounds (costs.json):
   target pass by width (the runtime's `VerifyCosts` where one applies, else measured at the
   tree's sizes), draft step by level width, decision latency.
-- `CostModel`: that table as the replay reads it: the target's and the draft's curves.
+- `CostModel`: that table as the replay reads it: the target's and the draft's curves, and
+  what a drafted tree round spends outside them (`overhead.py`).
 """
 
 from __future__ import annotations
@@ -244,6 +245,8 @@ class CostModel:
     target: CostCurve  # one target pass by width
     draft: CostCurve  # one draft step by width
     decision: float  # seconds of the features + a threshold decision for one level
+    round_overhead: tuple[float, float] = (0.0, 0.0)  # `ar` steps a drafted tree round spends
+    # outside its passes and decisions beyond an `ar` round, greedy and sampled (`overhead.py`)
 
     @classmethod
     def load(cls, path: Path) -> "CostModel":
@@ -253,7 +256,8 @@ class CostModel:
             return cls(_tree_sizes(raw["tree_sizes"]),
                        CostCurve(seconds_by_width(raw["target"]["seconds"], "target.seconds")),
                        CostCurve(seconds_by_width(raw["draft"]["seconds"], "draft.seconds")),
-                       _decision_field(raw.get("decision_seconds", 0.0)))
+                       _decision_field(raw.get("decision_seconds", 0.0)),
+                       _overhead_field(raw.get("round_overhead", {})))
         except FileNotFoundError:
             raise DataError(f"{path}: cost model not found (run `specstop collect` first)")
         except OSError as err:
@@ -269,6 +273,11 @@ class CostModel:
     def target_step(self) -> float:
         """Seconds of `ar`'s step, the unit of every cost here (`CostCurve.ar_seconds`)."""
         return self.target.ar_seconds
+
+    def overhead(self, sampled: bool) -> float:
+        """`ar` steps a drafted tree round spends outside its passes and decisions, beyond what
+        an `ar` round spends (`overhead.round_overhead`; 0 in a table without it)."""
+        return self.round_overhead[sampled]
 
     def draft_step(self, width: int, extra: float = 0.0) -> float:
         """`ar` steps of one draft step feeding `width` nodes, its features and decision
@@ -300,6 +309,16 @@ def _tree_sizes(raw: object) -> tuple[int, ...]:
         raise ValueError(f"field 'tree_sizes' must be an increasing list of positive node "
                          f"counts, got {raw!r}")
     return sizes
+
+
+def _overhead_field(raw: object) -> tuple[float, float]:
+    if not isinstance(raw, dict):
+        raise ValueError(f"field 'round_overhead' must map greedy and sampled to `ar` steps, "
+                         f"got {raw!r}")
+    steps = (float(raw.get("greedy", 0.0)), float(raw.get("sampled", 0.0)))
+    if not all(math.isfinite(x) for x in steps):
+        raise ValueError(f"field 'round_overhead' must be finite, got {raw!r}")
+    return steps
 
 
 def _decision_field(raw: object) -> float:

@@ -229,7 +229,7 @@ def _tree_costs(costs: CostModel, replay: TreeReplay, latency: float) -> TreeCos
     steps up to its widest level or the widest width tried."""
     widest = max(max(WIDTH_GRID), *np.diff((0, *costs.tree_sizes)))
     return TreeCosts.from_model(costs, len(replay.tree.parent) + LOOKUP_ROOM, int(widest),
-                                latency)
+                                latency, replay.sampled)
 
 
 def budget_figure(comparison: TreeComparison) -> Figure:

@@ -6,8 +6,9 @@ node is accepted iff its parent is and its token is the target's argmax at the p
 whatever else the tree holds, so one log scores every sub-tree of it exactly: a policy that
 verifies the ancestor-closed set K yields 1 + |accepted in K| tokens and costs its draft steps
 (one per level fed, at the width fed, decision latency included) plus one target pass over
-1 + |K| tokens as the decode loop pays it, padding included (`TreeCosts`: the measured
-`CostCurve`'s prices, in `ar` steps).  Sampled rounds are scored
+1 + |K| tokens as the decode loop pays it, padding included, plus the host work of a drafted
+round beyond `ar`'s (`TreeCosts`: the measured `CostCurve`'s prices and `CostModel.overhead`,
+in `ar` steps).  Sampled rounds are scored
 by their exact expected tokens given the drafted tree (the verification's draws integrated out,
 not the one logged): each row's `accept_prob` is its exact
 chance of acceptance given its parent was accepted and its earlier siblings were not, which does
@@ -64,14 +65,16 @@ class TreeCosts:
 
     verify: np.ndarray  # [N + 1] pass over n tokens as the loop pays it (`CostCurve.prices`)
     step: np.ndarray  # [W + 1] draft step feeding w nodes, decision included (index 0: 0)
+    round: float = 0.0  # a drafted round's work outside its passes and decisions, beyond ar's
 
     @classmethod
-    def from_model(cls, costs: CostModel, nodes: int, widths: int, extra: float = 0.0
-                   ) -> "TreeCosts":
-        """`extra` seconds per decision (a learned model's latency) on top of the features'."""
+    def from_model(cls, costs: CostModel, nodes: int, widths: int, extra: float = 0.0,
+                   sampled: bool = False) -> "TreeCosts":
+        """`extra` seconds per decision (a learned model's latency) on top of the features';
+        a drafted round's overhead as measured for greedy or `sampled` rounds."""
         verify = costs.target.prices(nodes + 1)
         step = np.array([0.0] + [costs.draft_step(w, extra) for w in range(1, widths + 1)])
-        return cls(verify, step)
+        return cls(verify, step, costs.overhead(sampled))
 
     def rule(self, branching: tuple[int, ...], expand: float, rho: float, width: int,
              rank_accept: tuple[tuple[float, ...], ...] = ()) -> TreeRule:
@@ -161,7 +164,8 @@ class TreeReplay:
         if chains is not None:
             verified += np.bincount(chains.round_index, chained, self.rounds)
             tokens += np.bincount(chains.round_index, chained & chains.accepted, self.rounds)
-        cost = costs.step[fed].sum(axis=1) + costs.verify[1 + verified.astype(np.int64)]
+        cost = costs.step[fed].sum(axis=1) + costs.verify[1 + verified.astype(np.int64)] \
+            + costs.round * (fed[:, 0] > 0)
         return TreeResult(*run_means(tokens, cost, self.logged, verified, (fed > 0).sum(axis=1)))
 
     def _fed_widths(self, fed_rows: np.ndarray, root: np.ndarray) -> np.ndarray:
@@ -294,7 +298,8 @@ class TreeReplay:
         cost, rho the resulting speed (Dinkelbach): the bound no policy on these rounds beats."""
         accepted = np.bincount(self.round_index, self.accepted, self.rounds).astype(np.int64)
         k = np.arange(self.max_depth + 1)
-        cost = np.where(k == 0, costs.verify[1], k * costs.step[1] + costs.verify[1 + k])
+        cost = np.where(k == 0, costs.verify[1],
+                        k * costs.step[1] + costs.verify[1 + k] + costs.round)
         rho = 1.0
         for _ in range(iterations):
             value = np.where(k[None, :] <= accepted[:, None], k + 1 - rho * cost[None, :], -np.inf)

@@ -156,6 +156,26 @@ def test_static_chain_counts_the_accepted_rank0_prefix():
     assert result.speedup == pytest.approx(rounds.speed(), rel=1e-12)
 
 
+def test_a_drafted_round_pays_the_host_overhead_and_a_gated_one_does_not():
+    rows = superset_rows(30, seed=2)
+    replay = TreeReplay.from_rows(rows, BRANCHING)
+    costs = replace(COSTS, round=0.3)
+    chain = shape_nodes(replay.tree, (1, 1, 1), 2)
+    rounds = Rounds()
+    for _, rnd in rows.groupby(["prompt_id", "round"], sort=False):
+        on = rnd[rnd["node"].isin(np.flatnonzero(chain))]
+        rounds.add(1 + (on["label"] == 1).sum(),
+                   COSTS.step[1] * on["depth"].max() + COSTS.verify[1 + len(on)] + 0.3,
+                   1 + (rnd["label"] == 1).sum())
+    assert replay.static(chain, costs).speedup == pytest.approx(rounds.speed(), rel=1e-12)
+    rule = costs.rule(BRANCHING, 0.1, 1.0, 2)
+    p = rows["p"].to_numpy()
+    gated = replay.dynamic(p, rule, costs, gated=np.ones(replay.rounds, dtype=bool))
+    assert gated.speedup == pytest.approx(1.0)  # `ar`: the root alone, no draft, no overhead
+    assert replay.dynamic(p, rule, costs).speedup < replay.dynamic(p, rule, COSTS).speedup
+    assert replay.oracle(costs).speedup < replay.oracle(COSTS).speedup
+
+
 def logged_walk(easy: np.ndarray, tree: Tree) -> tuple[pd.DataFrame, int]:
     """The logging run along a greedy text: `easy[y]` says the draft's rank-0 token at text
     position y is the target's.  Each round drafts the superset tree at its start x (only the

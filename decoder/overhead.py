@@ -1,0 +1,90 @@
+"""What a drafted round spends outside the models' passes, which the cost curves do not hold.
+
+The cost model (`costs.py`) prices a round as its target pass, its draft steps and its
+decisions, each timed alone.  A drafted round also draws, builds its trees and masks, verifies
+and commits on the host: on a 2-core CPU about 5 ms a `tree` round greedy and more sampled,
+beyond what an `ar` round spends, against a 55 ms target step (README, Collect).
+`round_overhead` measures it: the same prompts decoded by `ar` and by `tree` (EAGLE-2's
+confidence tree), every pass of either model timed where the curves time one (`KVModel.extend`
+and `extend_with_hidden`), the decisions by the loop; a round's remaining seconds, less an `ar`
+round's, in `ar` steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+
+from .costs import CostCurve
+from .kv import KVModel
+from .methods import DecodeConfig
+from .policy import ConfidenceTree
+from .runtime import Runtime
+from .tree_rule import TreeRule
+
+# a confidence tree like those the replay tunes (expand 0.35-0.5, one or two nodes fed a level)
+MEASURING_RULE = {"expand": 0.35, "rho": 1.4, "max_width": 2}
+
+
+@contextmanager
+def timed_passes(*models: KVModel) -> Iterator[list[list[float]]]:
+    """Seconds of every pass each model makes inside the block, one list per model."""
+    times: list[list[float]] = [[] for _ in models]
+
+    def clocked(lm: KVModel, call: Callable, into: list[float]) -> Callable:
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            out = call(*args, **kwargs)
+            if lm.device.type == "cuda":
+                torch.cuda.synchronize(lm.device)
+            into.append(time.perf_counter() - start)
+            return out
+        return run
+
+    for lm, into in zip(models, times):
+        lm.extend = clocked(lm, lm.extend, into)
+        lm.extend_with_hidden = clocked(lm, lm.extend_with_hidden, into)
+    try:
+        yield times
+    finally:
+        for lm in models:
+            del lm.extend, lm.extend_with_hidden
+
+
+def measuring_policy(branching: tuple[int, ...], costs: CostCurve) -> ConfidenceTree:
+    """The confidence tree `round_overhead` decodes with, priced by `costs`."""
+    nodes = 1 + sum(branching) * MEASURING_RULE["max_width"]
+    return ConfidenceTree(TreeRule(branching, verify_cost=tuple(costs.prices(nodes + 1).tolist()),
+                                   **MEASURING_RULE))
+
+
+def round_overhead(runtime: Runtime, prompts: list[torch.Tensor], config: DecodeConfig,
+                   policy: ConfidenceTree) -> float:
+    """`ar` steps a drafted `tree` round spends beyond its passes and decisions, less what an
+    `ar` round spends beyond its pass, decoding `prompts` ([L] ids; the first also warms up)
+    as `config` says (its sampling, budget and depth)."""
+    ar, passes = outside_per_round(runtime, prompts, dataclasses.replace(config, method="ar"))
+    tree, _ = outside_per_round(runtime, prompts, dataclasses.replace(
+        config, method="tree", lookup_branch=False), policy)
+    return (tree - ar) / statistics.median(passes)
+
+
+def outside_per_round(runtime: Runtime, prompts: list[torch.Tensor], config: DecodeConfig,
+                      policy: ConfidenceTree | None = None) -> tuple[float, list[float]]:
+    """(seconds a round spends outside the models' passes and the policy's decisions, the
+    prefill aside; the seconds of each target pass but the prefills)."""
+    models = [runtime.target] + [m for m in [runtime.draft] if m not in (None, runtime.target)]
+    runtime.generate(prompts[0], config, policy)  # warm-up
+    seconds, rounds, passes = 0.0, 0, []
+    for prompt in prompts:
+        with timed_passes(*models) as times:
+            stats = runtime.generate(prompt, config, policy).stats
+        seconds += stats.seconds - sum(map(sum, times)) - stats.decision_seconds
+        rounds += stats.target_calls - 1  # the prefill is not a round
+        passes += times[0][1:]
+    return seconds / max(rounds, 1), passes

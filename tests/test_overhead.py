@@ -1,0 +1,88 @@
+"""A drafted round's host work: measured beside the passes, charged by the tree replay."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from specstop.common.errors import DataError
+from specstop.decoder import dynamic
+from specstop.decoder.costs import CostCurve, CostModel
+from specstop.decoder.kv import KVModel
+from specstop.decoder.methods import DecodeConfig
+from specstop.decoder.overhead import (measuring_policy, outside_per_round, round_overhead,
+                                       timed_passes)
+from specstop.decoder.sampling import Sampling
+from specstop.drafts.loading import load_runtime
+from specstop.replay.tree_replay import TreeCosts
+
+CONFIG = DecodeConfig(method="mcsd", max_new_tokens=12, max_depth=3, mcsd_branching=(2, 2))
+SLEEP = 0.03
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_model_dir: Path):
+    return load_runtime(str(tiny_model_dir), "layers:1", "float32", "cpu", cpu_kernel="aten")
+
+
+@pytest.fixture(scope="module")
+def prompts(runtime) -> list[torch.Tensor]:
+    return [runtime.encode(text) for text in ("def f(x):", "Say hello to the")]
+
+
+def policy():
+    return measuring_policy((2, 2, 1), CostCurve({1: 1.0, 8: 1.2}))
+
+
+def test_every_pass_is_timed_once_and_the_models_are_restored(runtime, prompts) -> None:
+    with timed_passes(runtime.target, runtime.draft) as (target, draft):
+        stats = runtime.generate(prompts[0], replace(CONFIG, method="tree"), policy()).stats
+    assert len(target) == stats.target_calls and len(draft) == stats.draft_steps > 0
+    assert all(t > 0 for t in target + draft)
+    for lm in (runtime.target, runtime.draft):
+        assert "extend" not in vars(lm) and "extend_with_hidden" not in vars(lm)
+        assert type(lm).extend is KVModel.extend
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_host_work_outside_the_passes_is_what_the_overhead_counts(
+        runtime, prompts, monkeypatch, temperature: float) -> None:
+    """A round that sleeps outside its passes and decisions spends at least the sleep there;
+    the overhead is finite and in `ar` steps."""
+    config = replace(CONFIG, method="tree", sampling=Sampling(temperature))
+    verify_proposal = dynamic.DraftedTree.verify_proposal
+
+    def slow(self, *args):
+        time.sleep(SLEEP)
+        return verify_proposal(self, *args)
+
+    monkeypatch.setattr(dynamic.DraftedTree, "verify_proposal", slow)
+    outside, passes = outside_per_round(runtime, prompts, config, policy())
+    assert outside >= SLEEP and len(passes) > 0
+    steps = round_overhead(runtime, prompts, config, policy())
+    assert np.isfinite(steps) and steps > 0
+
+
+def test_the_cost_model_reads_the_overhead_and_the_tree_replay_charges_drafted_rounds(
+        tmp_path: Path) -> None:
+    raw = {"tree_sizes": [1, 3], "target": {"seconds": {"1": 0.1, "4": 0.12}},
+           "draft": {"seconds": {"1": 0.01}}, "round_overhead": {"greedy": 0.05,
+                                                                 "sampled": 0.2}}
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(raw))
+    model = CostModel.load(path)
+    assert model.overhead(False) == 0.05 and model.overhead(True) == 0.2
+    plain = TreeCosts.from_model(model, 4, 2)
+    assert plain.round == 0.05 and TreeCosts.from_model(model, 4, 2, sampled=True).round == 0.2
+    del raw["round_overhead"]
+    path.write_text(json.dumps(raw))
+    assert CostModel.load(path).overhead(True) == 0.0  # a table from before the overhead
+    path.write_text(json.dumps({**raw, "round_overhead": {"greedy": "nan"}}))
+    with pytest.raises(DataError, match=r"costs.json: not a cost model .*round_overhead"):
+        CostModel.load(path)
