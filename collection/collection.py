@@ -166,8 +166,8 @@ def _fingerprint(collect: CollectConfig, models: ModelsConfig) -> dict:
     for f in files:
         digest.update(f.relative_to(draft).as_posix().encode())
         digest.update(f.read_bytes())
-    return {"collect": collect.model_dump(mode="json", exclude={"overhead_prompts"}), "models": models.model_dump(mode="json"),
-            "draft_files": digest.hexdigest()}
+    return {"collect": collect.model_dump(mode="json", exclude={"overhead_prompts"}),
+            "models": models.model_dump(mode="json"), "draft_files": digest.hexdigest()}
 
 
 def _summary(out: Path, parts: list, elapsed: float, world: int) -> dict:

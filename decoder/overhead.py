@@ -2,7 +2,7 @@
 
 The cost model (`costs.py`) prices a round as its target pass, its draft steps and its
 decisions, each timed alone.  A drafted round also draws, builds its trees and masks, verifies
-and commits on the host: on a 2-core CPU about 5 ms a `tree` round greedy and more sampled,
+and commits on the host: on a 2-core CPU about 4 ms a `tree` round greedy and 8 sampled,
 beyond what an `ar` round spends, against a 55 ms target step (README, Collect).
 `round_overhead` measures it: the same prompts decoded by `ar` and by `tree` (EAGLE-2's
 confidence tree), every pass of either model timed where the curves time one (`KVModel.extend`

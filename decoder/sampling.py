@@ -62,9 +62,8 @@ def uniforms(n: int, device: torch.device, generator: torch.Generator | None) ->
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None, k: int = 1) -> torch.Tensor:
     """k i.i.d. token ids per row of probs [..., V] -> [..., k], on their device (no sync): the
-    inverse CDF at one uniform per draw (`torch.multinomial`, like a Gumbel or exponential race,
-    spends a random number per vocabulary entry: 1 ms a draw over 49k tokens on a 2-core CPU,
-    against 0.06)."""
+    inverse CDF at one uniform per draw (over 49k tokens on a 2-core CPU 0.06 ms a draw, where
+    `torch.multinomial` took 1.0 and a Gumbel race, a random number per token, more)."""
     rows = probs.reshape(-1, probs.shape[-1]).double()
     u = uniforms(rows.shape[0] * k, probs.device, generator).view(-1, k)
     return inverse_cdf(rows, u).view(*probs.shape[:-1], k)
