@@ -138,6 +138,20 @@ def load(folder: Path, label: str = "hard", temperature: float = 0.0) -> Dataset
     return Dataset(splits["train"], splits["val"], digest(folder), SCHEMA_VERSION, dropped)
 
 
+def check_temperatures(folder: Path, temperatures: list[float], keys: str) -> None:
+    """DataError unless the parts of `folder` hold rounds at every one of `temperatures` (the
+    params `keys` name), read from the temperature column alone."""
+    logged: set[float] = set()
+    for path in sorted((Path(folder) / "parts").glob("*.parquet")):
+        for batch in _batches(path, ["temperature"]):
+            logged.update(pc.unique(batch.column("temperature")).to_pylist())
+    missing = [t for t in temperatures if float(np.float32(t)) not in logged]
+    if missing:
+        found = ", ".join(f"{t:g}" for t in sorted(logged)) or "none"
+        raise DataError(f"{folder}: no rounds logged at temperature {missing[0]:g} ({keys}; "
+                        f"the parts hold {found}: add it to collect.temperatures)")
+
+
 def digest(folder: Path) -> str:
     """sha256 over the part files (names and bytes), their lookup rows and the cost model
     (read in chunks)."""

@@ -310,6 +310,9 @@ class StopTrainConfig(Section):
     charge_decision_latency: bool = True
     sampling_temperature: PosFloat | None = None  # the sampled rounds (one of
     # collect.temperatures) the sampling tree rule is tuned on; None: no sampling rule
+    replay_temperatures: list[PosFloat] = []  # other sampled temperatures (of
+    # collect.temperatures) the tree policies are tuned and replayed at, for the report only
+    # (metrics `replay.sampling_at`); the exported sampling rule is `sampling_temperature`'s
     logistic: LogisticParams = LogisticParams()
     lightgbm: LightGBMParams = LightGBMParams()
     mlp: MLPParams = MLPParams()

@@ -102,6 +102,9 @@ def run(config: StopTrainConfig, store: TrackingStore) -> Report:
     """Train, score, track and save; returns what was written to the metrics file."""
     uri = tracking.tracking_uri(store.uri)
     tracking.check(uri)  # fails fast, before the work
+    data.check_temperatures(config.data, [t for t in [config.sampling_temperature,
+                                                      *config.replay_temperatures] if t],
+                            "train.sampling_temperature, train.replay_temperatures")
     dataset = data.load(config.data, config.label)
     bench = _bench(dataset, config, store)
     tracking.start(uri, store.experiment)
@@ -112,7 +115,10 @@ def run(config: StopTrainConfig, store: TrackingStore) -> Report:
     for family in tqdm(config.families, desc="train", unit="family"):
         entries[family] = _family(family, dataset, bench, common)
     trees = _trees(dataset, bench, entries)
-    sampling = _sampling_trees(config, bench, entries) if config.sampling_temperature else None
+    sampling = _sampling_trees(config, bench, entries, config.sampling_temperature) \
+        if config.sampling_temperature else None
+    sampling_at = {f"{t:g}": _sampling_trees(config, bench, entries, t).metrics()
+                   for t in tqdm(config.replay_temperatures, desc="replay", unit="temperature")}
     ablation = _ablation(entries[trees.winner], dataset, bench, trees) if trees.winner else {}
     with tracking.run("baselines") as run_id:
         _log_datasets(dataset, config, ("val",))  # tuned and scored on val only
@@ -121,7 +127,8 @@ def run(config: StopTrainConfig, store: TrackingStore) -> Report:
     for name in entries:
         if entries[name].model is None:
             entries[name].run_id = run_id
-    replay = {**trees.metrics(), "sampling": sampling.metrics() if sampling else None}
+    replay = {**trees.metrics(), "sampling": sampling.metrics() if sampling else None,
+              "sampling_at": sampling_at}
     metrics = {**_metrics(entries, bench, config), "replay": replay, "ablation": ablation,
                "sanity_floor": _sanity_floor(entries, bench, config.families)}
     winner = trees.winner
@@ -140,18 +147,17 @@ def _trees(dataset: data.Dataset, bench: Bench, entries: dict[str, Entry]
                                read_lookup_rows(bench.config.data))
 
 
-def _sampling_trees(config: StopTrainConfig, bench: Bench, entries: dict[str, Entry]
-                    ) -> tree_report.SamplingComparison:
-    """Every tree policy on the val rounds sampled at `config.sampling_temperature` (the same
-    models: their p as survival), each family's latency charged per draft step."""
-    sampled = data.load(config.data, config.label, config.sampling_temperature)
+def _sampling_trees(config: StopTrainConfig, bench: Bench, entries: dict[str, Entry],
+                    temperature: float) -> tree_report.SamplingComparison:
+    """Every tree policy on the val rounds sampled at `temperature` (the same models: their p
+    as survival), each family's latency charged per draft step."""
+    sampled = data.load(config.data, config.label, temperature)
     X = sampled.val.features
     charge = config.charge_decision_latency
     families = {f: (entries[f].model.predict_proba(X), entries[f].latency if charge else 0.0)
                 for f in config.families}
     return tree_report.compare_sampling(sampled.train.rows, sampled.val.rows, bench.costs,
-                                        confidence_score(X), families,
-                                        config.sampling_temperature)
+                                        confidence_score(X), families, temperature)
 
 
 def _ablation(entry: Entry, dataset: data.Dataset, bench: Bench,

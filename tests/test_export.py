@@ -38,8 +38,8 @@ def exported(tmp_path_factory):
     """Synthetic rows -> stage train (every family) -> stage export, in a temp folder."""
     folder = tmp_path_factory.mktemp("export")
     make_collect(folder / "collect", prompts={"train": 16, "val": 6}, rounds=12,
-                 temperatures=(0.0, 0.7))
-    params = params_for(folder, sampling_temperature=0.7)
+                 temperatures=(0.0, 0.7, 1.0))
+    params = params_for(folder, sampling_temperature=0.7, replay_temperatures=[1.0])
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(folder)
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -85,9 +85,15 @@ def test_files_carry_their_metadata(exported):
         assert policy.sampling_rule.rank_accept and not policy.sampling_rule.prune
         assert decoding_rule(policy, greedy=False) == policy.sampling_rule
         assert decoding_rule(policy, greedy=True) is policy.tree_rule
-    sampled = json.loads(report.bench.config.metrics.read_text())["replay"]["sampling"]
+    replay = json.loads(report.bench.config.metrics.read_text())["replay"]
+    sampled = replay["sampling"]
     assert sampled["temperature"] == 0.7 and sampled["winner"]["family"] in summary["families"]
     assert sampled["best_static"]["method"] in sampled["policies"]
+    # T 1.0 replayed for the report: its own tuned policies, not the exported rule
+    hot = replay["sampling_at"]["1"]
+    assert hot["temperature"] == 1.0 and hot["best_static"]["method"] in hot["policies"]
+    assert {"confidence_tree", *summary["families"]} <= set(hot["policies"])
+    assert hot["policies"] != sampled["policies"]
 
 
 def test_export_retunes_the_tree_rules_for_another_machines_costs(exported, tmp_path):

@@ -224,6 +224,17 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
         validate({"train": {"lerning_rate": 1}})
 
 
+def test_a_temperature_the_parts_do_not_hold_is_refused_before_any_work(tmp_path):
+    make_collect(tmp_path / "collect", prompts={"train": 3, "val": 2}, rounds=3,
+                 temperatures=(0.0, 0.7))
+    for overrides in ({"replay_temperatures": [1.0]}, {"sampling_temperature": 0.5}):
+        with pytest.raises(SpecstopError, match=r"collect: no rounds logged at temperature (1|0.5) "
+                           r"\(train.sampling_temperature, train.replay_temperatures; the "
+                           r"parts hold 0, 0.7: add it to collect.temperatures\)$"):
+            train.run(params_for(tmp_path, **{"sampling_temperature": 0.7, **overrides}))
+    assert not (tmp_path / "train").exists() and not (tmp_path / "metrics").exists()
+
+
 def test_rounds_with_nan_features_are_dropped_and_counted(tmp_path):
     folder = make_collect(tmp_path / "collect", prompts={"train": 3, "val": 2}, rounds=3)
     before = data.load(folder)
