@@ -184,6 +184,8 @@ class DraftTrainConfig(Section):
     lr: PosFloat = 1e-3
     weight_decay: NonNegFloat = 0.0
     warmup_steps: NonNegInt = 30
+    schedule: Literal["constant", "cosine"] = "cosine"  # after warmup
+    final_lr: Annotated[float, Field(ge=0, le=1)] = 0.1  # cosine: lr's share at the end
     feature_loss_weight: NonNegFloat = 1.0  # feature-conditioned head only
     feature_noise: NonNegFloat = 0.05  # uniform noise on input features
     unroll: PosInt = 1  # feature head: passes fed with its own predicted features

@@ -4,10 +4,11 @@ Both families learn the teacher's top-k next-token distribution (cross-entropy o
 draft's pruned vocabulary); the feature-conditioned head also regresses the target's next
 hidden state (EAGLE's smooth-L1 feature loss), which is what it feeds itself at deeper levels,
 and is trained as it is used: `unroll` passes, each fed the previous pass's predicted features
-(EAGLE-3's training-time test).  A checkpoint after every validation lets an interrupted run
+(EAGLE-3's training-time test).  The learning rate anneals on a cosine towards whichever budget,
+steps or minutes, ends the run.  A checkpoint after every validation lets an interrupted run
 resume exactly: the checkpoint holds the position in the epoch's batch order and the global
 RNG states, so a resumed run trains on the same batches with the same noise as an
-uninterrupted one.  Early stopping watches val alpha (greedy agreement on the held-out
+uninterrupted one (and, where the step budget ends it first, at the same learning rates).  Early stopping watches val alpha (greedy agreement on the held-out
 responses) and the best weights are kept; metrics, the learning curve against seconds and
 tokens seen among them, go to MLflow.
 """
@@ -131,10 +132,35 @@ class DraftDistiller(pl.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.draft.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
-        warm = max(self.config.warmup_steps, 1)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return torch.optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
+
+
+def lr_factor(config: DraftTrainConfig, step: int, progress: float) -> float:
+    """The learning rate's multiple of `config.lr` at `step`: a linear warmup over
+    `warmup_steps`, then constant, or a cosine from 1 to `final_lr` over the run's `progress`
+    (0 to 1)."""
+    warmup = min(1.0, (step + 1) / max(config.warmup_steps, 1))
+    if config.schedule == "constant":
+        return warmup
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
+    return warmup * (config.final_lr + (1.0 - config.final_lr) * cosine)
+
+
+class BudgetSchedule(pl.Callback):
+    """Sets the learning rate before every step (`lr_factor`), the run's progress being the
+    larger of its share of the step budget (`max_epochs`) and of the time budget
+    (`max_minutes`, Lightning's checkpointed Timer): the decay ends where the run does,
+    whichever budget ends it."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule,
+                             batch: dict, batch_idx: int) -> None:
+        config = module.config
+        timer = next(c for c in trainer.callbacks if isinstance(c, pl.callbacks.Timer))
+        progress = max(trainer.global_step / max(trainer.estimated_stepping_batches, 1),
+                       timer.time_elapsed("train") / (60.0 * config.max_minutes))
+        factor = lr_factor(config, trainer.global_step, progress)
+        for group in trainer.optimizers[0].param_groups:
+            group["lr"] = config.lr * factor
 
 
 @torch.no_grad()
@@ -308,7 +334,9 @@ def fit(module: DraftDistiller, train: list[Sequence], val: list[Sequence], fold
         logger=logger or False,
         callbacks=[checkpoint, latest,
                    pl.callbacks.EarlyStopping("val_alpha", mode="max", patience=config.patience),
-                   LearningCurve(Path(folder) / "curve.csv"), ExactResume(batches)],
+                   LearningCurve(Path(folder) / "curve.csv"), ExactResume(batches),
+                   BudgetSchedule()]
+        + ([pl.callbacks.LearningRateMonitor("step")] if logger else []),
         val_check_interval=min(config.val_every_steps, steps_per_epoch),
         check_val_every_n_epoch=None if config.val_every_steps < steps_per_epoch else 1,
         log_every_n_steps=5, enable_model_summary=False, gradient_clip_val=1.0,

@@ -20,8 +20,8 @@ from specstop.decoder.loop import DecodeConfig, generate
 from specstop.drafts.loading import load_runtime, plain_assistant, with_draft
 from specstop.drafts.corpus import Sequence, token_counts
 from specstop.common.params import DraftSpec, DraftTrainConfig
-from specstop.drafts.distill import (DraftDistiller, EpochBatches, collate, fit, read_curve,
-                                     resolve_precision)
+from specstop.drafts.distill import (DraftDistiller, EpochBatches, collate, fit, lr_factor,
+                                     read_curve, resolve_precision)
 from specstop.drafts.sweep import acceptance_by_level, corpus_layers
 
 from conftest import tiny_llama
@@ -225,7 +225,7 @@ def test_one_training_step_lowers_the_loss(target, family):
     module = DraftDistiller(draft, "compact" if family == "compact" else "feature", PRUNED,
                             VOCAB, config, LAYERS)
     batch = collate(fake_corpus(target, 6, seed=1))
-    optimizer = module.configure_optimizers()["optimizer"]
+    optimizer = module.configure_optimizers()
     before, _, _ = module(batch)
     before.backward()
     optimizer.step()
@@ -270,6 +270,38 @@ def test_training_resumes_from_its_last_checkpoint(target, tmp_path: Path):
     assert [int(row["tokens_seen"]) for row in curve] == list(itertools.accumulate(taught))
     text = [sum(s.ids.shape[0] - 1 for s in batch if s.source == "code") for batch in batches]
     assert [int(row["text_tokens_seen"]) for row in curve] == list(itertools.accumulate(text))
+
+
+def test_the_learning_rate_warms_up_then_decays_to_final_lr_where_the_budget_ends():
+    config = DraftTrainConfig(warmup_steps=4, final_lr=0.1)
+    assert [lr_factor(config, s, 0.0) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert lr_factor(config, 10, 0.5) == pytest.approx(0.55)
+    assert lr_factor(config, 10, 1.0) == pytest.approx(0.1)
+    assert lr_factor(config, 10, 2.0) == pytest.approx(0.1)  # past the budget: held
+    flat = config.model_copy(update={"schedule": "constant"})
+    assert lr_factor(flat, 1, 0.9) == 0.5 and lr_factor(flat, 10, 0.9) == 1.0
+
+
+@pytest.mark.parametrize("elapsed_share", [0.0, 0.9])
+def test_the_decay_follows_whichever_budget_ends_the_run(target, tmp_path: Path, monkeypatch,
+                                                         elapsed_share):
+    """The last step's learning rate is set from the larger of the steps' share of max_epochs
+    (3 of 4) and the training time's share of max_minutes (the Timer's clock, here fixed)."""
+    import pytorch_lightning as pl
+
+    config = DraftTrainConfig(max_epochs=2, max_minutes=10.0, batch_size=4, val_every_steps=1,
+                              warmup_steps=1, lr=2e-3, precision="32-true", patience=100)
+    monkeypatch.setattr(pl.callbacks.Timer, "time_elapsed",
+                        lambda self, stage="train": elapsed_share * 600.0)
+    torch.manual_seed(0)
+    module = DraftDistiller(build_compact(target, 1, PRUNED).float().train(), "compact", PRUNED,
+                            VOCAB, config, LAYERS)
+    fit(module, fake_corpus(target, 8, seed=3), fake_corpus(target, 2, seed=4), tmp_path, None)
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert state["global_step"] == 4
+    lr = state["optimizer_states"][0]["param_groups"][0]["lr"]
+    assert lr == pytest.approx(2e-3 * lr_factor(config, 3, max(0.75, elapsed_share)))
+    assert lr < 2e-3 * (0.25 if elapsed_share else 0.3)
 
 
 def _epoch_batches(corpus: list[Sequence], size: int, epoch: int) -> list[list[Sequence]]:
