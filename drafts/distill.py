@@ -4,13 +4,14 @@ Both families learn the teacher's top-k next-token distribution (cross-entropy o
 draft's pruned vocabulary); the feature-conditioned head also regresses the target's next
 hidden state (EAGLE's smooth-L1 feature loss), which is what it feeds itself at deeper levels,
 and is trained as it is used: `unroll` passes, each fed the previous pass's predicted features
-(EAGLE-3's training-time test).  The learning rate anneals on a cosine towards whichever budget,
-steps or minutes, ends the run.  A checkpoint after every validation lets an interrupted run
-resume exactly: the checkpoint holds the position in the epoch's batch order and the global
-RNG states, so a resumed run trains on the same batches with the same noise as an
-uninterrupted one (and, where the step budget ends it first, at the same learning rates).  Early stopping watches val alpha (greedy agreement on the held-out
-responses) and the best weights are kept; metrics, the learning curve against seconds and
-tokens seen among them, go to MLflow.
+(EAGLE-3's training-time test).  The learning rate anneals on a cosine towards whichever
+budget, steps or minutes, ends the run.  A checkpoint after every validation lets an
+interrupted run resume exactly: the checkpoint holds the position in the epoch's batch order
+and the global RNG states, so a resumed run trains on the same batches with the same noise as
+an uninterrupted one (and, where the step budget ends it first, at the same learning rates).
+Early stopping watches val alpha (greedy agreement on the held-out responses) and the best
+weights are kept; metrics, the learning curve against seconds and tokens seen among them, go
+to MLflow.
 """
 
 from __future__ import annotations
