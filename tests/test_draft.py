@@ -7,6 +7,7 @@ import itertools
 from pathlib import Path
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -287,8 +288,6 @@ def test_the_decay_follows_whichever_budget_ends_the_run(target, tmp_path: Path,
                                                          elapsed_share):
     """The last step's learning rate is set from the larger of the steps' share of max_epochs
     (3 of 4) and the training time's share of max_minutes (the Timer's clock, here fixed)."""
-    import pytorch_lightning as pl
-
     config = DraftTrainConfig(max_epochs=2, max_minutes=10.0, batch_size=4, val_every_steps=1,
                               warmup_steps=1, lr=2e-3, precision="32-true", patience=100)
     monkeypatch.setattr(pl.callbacks.Timer, "time_elapsed",
