@@ -116,6 +116,10 @@ def run(config: BenchConfig, models: ModelsConfig, collect: CollectConfig,
              "confidence_threshold": plan.confidence, "winner": plan.winner.meta["family"],
              "winner_rule": plan.winner.rule,
              "winner_fallback": plan.winner.meta.get("fallback"),  # "ar": its tree never drafts
+             "winner_static_tree": {mode: plan.winner.meta.get(key) for mode, key in
+                                    (("greedy", "static_tree"),
+                                     ("sampling", "sampling_static_tree"))},  # decoded
+             # instead of its tree (null: none)
              "methods": config.methods,
              "sampling_methods": config.sampling_methods,
              "order": "warm-up decode per method, then the method order rotated per prompt",
@@ -190,7 +194,7 @@ def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
                  **_lookup_speedups(train["replay"].get("lookup") or {}, family)}
     sampled = (train["replay"].get("sampling") or {}).get("policies", {})
     simulated_sampling = {"static-tree": sampled.get("static_tree", {}).get("simulated_speedup"),
-                          "tree+stop_model": winner.meta.get("sampling_tree_speedup")}
+                          "tree+stop_model": _tree_speedup(winner.meta, greedy=False)}
     peer, note = _peer_draft(config.assistant_draft, models.draft)
     measured = draft.get("drafts", {}).get(Path(peer).name, {}) if peer else {}
     return Plan(sd_gamma=sd_gamma, static_gamma=static_gamma,
@@ -217,9 +221,15 @@ def _lookup_speedups(lookup: dict, family: str) -> dict[str, float]:
     return out
 
 
-def _tree_speedup(meta: dict) -> float:
-    """A stop model's replayed `tree` speed, behind its round gate (1 where it falls back to
-    `ar`)."""
+def _tree_speedup(meta: dict, greedy: bool = True) -> float | None:
+    """A stop model's replayed `tree` speed: the static shape's where it decodes one instead,
+    else greedy its tree's behind its round gate (1 where it falls back to `ar`), sampled its
+    sampling rule's."""
+    static = meta.get("static_tree" if greedy else "sampling_static_tree")
+    if static:
+        return static["speedup"]
+    if not greedy:
+        return meta.get("sampling_tree_speedup")
     return meta.get("gated_speedup") or meta["tree_speedup"]
 
 

@@ -140,21 +140,25 @@ def collect(runtime: Runtime, parts: list[Part], config: DecodeConfig, collect: 
 
 
 def _round_overhead(runtime: Runtime, parts: list[Part], config: DecodeConfig,
-                    collect: CollectConfig, table: dict) -> dict[str, float]:
-    """`ar` steps a drafted tree round spends outside its passes and decisions beyond an `ar`
-    round (`overhead.round_overhead`), greedy and at the first sampled temperature, on the
-    first `overhead_prompts` val prompts (any split's without val); {} without a draft."""
+                    collect: CollectConfig, table: dict) -> dict[str, dict[str, float]]:
+    """`ar` steps a drafted round spends outside its passes and decisions beyond an `ar` round
+    (`overhead.round_overhead`), by kind of round ("tree", "static"), greedy and at the first
+    sampled temperature, on the first `overhead_prompts` val prompts (any split's without
+    val); {} without a draft."""
     texts = [t for p in sorted(parts, key=lambda p: p.split != "val") for t in p.texts]
     if runtime.drafter is None or not collect.overhead_prompts or not texts:
         return {}
     prompts = [runtime.encode(t, chat=False, special_tokens=False)
                for t in texts[: collect.overhead_prompts]]
     policy = measuring_policy(tree_for(config).branching, CostCurve(table["target"]["seconds"]))
-    out = {"greedy": round_overhead(runtime, prompts, config, policy)}
+    configs = {"greedy": config}
     sampled = [t for t in collect.temperatures if t > 0]
     if sampled:
-        hot = replace(config, sampling=Sampling(sampled[0], collect.top_p))
-        out["sampled"] = round_overhead(runtime, prompts, hot, policy)
+        configs["sampled"] = replace(config, sampling=Sampling(sampled[0], collect.top_p))
+    out: dict[str, dict[str, float]] = {}
+    for decoding, decode in configs.items():
+        for kind, steps in round_overhead(runtime, prompts, decode, policy).items():
+            out.setdefault(kind, {})[decoding] = steps
     return out
 
 

@@ -252,8 +252,8 @@ class CollectConfig(TreeConfig):
     temperatures: list[Temperature] = Field([0.0], min_length=1)  # every prompt at each
     lookup_tokens: PosInt = 10  # the longest lookup chain logged per greedy round (the bench's
     # `prompt_lookup_tokens`: its `tree+stop_model+lookup` chains)
-    overhead_prompts: NonNegInt = 2  # val prompts decoded by `ar` and `tree` to time a drafted
-    # round's host work (`decoder.overhead`); 0: none, the cost model charges nothing
+    overhead_prompts: NonNegInt = 2  # val prompts decoded by `ar`, `tree` and a static tree to
+    # time a drafted round's host work by kind (`decoder.overhead`); 0: none, nothing charged
 
     @model_validator(mode="after")
     def _temperatures_only(self) -> "CollectConfig":

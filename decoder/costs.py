@@ -245,8 +245,10 @@ class CostModel:
     target: CostCurve  # one target pass by width
     draft: CostCurve  # one draft step by width
     decision: float  # seconds of the features + a threshold decision for one level
-    round_overhead: tuple[float, float] = (0.0, 0.0)  # `ar` steps a drafted tree round spends
-    # outside its passes and decisions beyond an `ar` round, greedy and sampled (`overhead.py`)
+    tree_overhead: tuple[float, float] = (0.0, 0.0)  # `ar` steps a drafted `tree` round
+    # spends outside its passes and decisions beyond an `ar` round, greedy and sampled
+    static_overhead: tuple[float, float] = (0.0, 0.0)  # the same for a static tree's round
+    # (`overhead.py`)
 
     @classmethod
     def load(cls, path: Path) -> "CostModel":
@@ -257,7 +259,7 @@ class CostModel:
                        CostCurve(seconds_by_width(raw["target"]["seconds"], "target.seconds")),
                        CostCurve(seconds_by_width(raw["draft"]["seconds"], "draft.seconds")),
                        _decision_field(raw.get("decision_seconds", 0.0)),
-                       _overhead_field(raw.get("round_overhead", {})))
+                       *_overhead_field(raw.get("round_overhead", {})))
         except FileNotFoundError:
             raise DataError(f"{path}: cost model not found (run `specstop collect` first)")
         except OSError as err:
@@ -274,10 +276,11 @@ class CostModel:
         """Seconds of `ar`'s step, the unit of every cost here (`CostCurve.ar_seconds`)."""
         return self.target.ar_seconds
 
-    def overhead(self, sampled: bool) -> float:
-        """`ar` steps a drafted tree round spends outside its passes and decisions, beyond what
-        an `ar` round spends (`overhead.round_overhead`; 0 in a table without it)."""
-        return self.round_overhead[sampled]
+    def overhead(self, sampled: bool, static: bool = False) -> float:
+        """`ar` steps a drafted round (a `tree` round; a `static` tree's) spends outside its
+        passes and decisions, beyond what an `ar` round spends (`overhead.round_overhead`; 0 in
+        a table without it)."""
+        return (self.static_overhead if static else self.tree_overhead)[sampled]
 
     def draft_step(self, width: int, extra: float = 0.0) -> float:
         """`ar` steps of one draft step feeding `width` nodes, its features and decision
@@ -311,12 +314,17 @@ def _tree_sizes(raw: object) -> tuple[int, ...]:
     return sizes
 
 
-def _overhead_field(raw: object) -> tuple[float, float]:
-    if not isinstance(raw, dict):
-        raise ValueError(f"field 'round_overhead' must map greedy and sampled to `ar` steps, "
-                         f"got {raw!r}")
-    steps = (float(raw.get("greedy", 0.0)), float(raw.get("sampled", 0.0)))
-    if not all(math.isfinite(x) for x in steps):
+def _overhead_field(raw: object) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((greedy, sampled) of a `tree` round, the same of a static round) from {"tree": {...},
+    "static": {...}}; a table timing one kind (flat {"greedy", "sampled"}) charges it to both."""
+    tree = raw.get("tree", raw) if isinstance(raw, dict) else None
+    static = raw.get("static", tree) if isinstance(raw, dict) else None
+    if not isinstance(tree, dict) or not isinstance(static, dict):
+        raise ValueError(f"field 'round_overhead' must map tree and static rounds, greedy and "
+                         f"sampled, to `ar` steps, got {raw!r}")
+    steps = tuple((float(k.get("greedy", 0.0)), float(k.get("sampled", 0.0)))
+                  for k in (tree, static))
+    if not all(math.isfinite(x) for pair in steps for x in pair):
         raise ValueError(f"field 'round_overhead' must be finite, got {raw!r}")
     return steps
 

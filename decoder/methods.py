@@ -14,12 +14,15 @@ loop (`loop.py`) compares no method names:
   finds (`lookup.lookup_proposal`); and how a round the gate keeps from drafting proposes
   (`propose_gated`): the root alone, or in `tree` rounds with `lookup_branch` the root
   and the prefix of the chain that pays.
+
+A `tree` decode whose policy names a static shape for its sampling (`policy.static_shape`: it
+replayed faster than the policy's tree) is that shape's `mcsd` decode (`with_static_fallback`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -31,7 +34,7 @@ from .contracts import Proposal
 from .drafter import Drafter, draft_children
 from .dynamic import propose_chain, propose_tree
 from .lookup import Lookup, LookupBranch, lookup_branch, lookup_proposal
-from .policy import FixedDepth, StoppingPolicy, TreePolicy
+from .policy import FixedDepth, StoppingPolicy, TreePolicy, static_shape
 from .round_gate import RoundGate
 from .sampling import Sampling, warp
 from .tree import Tree
@@ -254,6 +257,19 @@ ROUND_METHODS: dict[str, RoundMethod] = {
     "ar": Autoregressive(), "sd": RoundMethod(), "mcsd": MultiCandidate(),
     "ti-mcsd": TargetInitialized(), "tree": DynamicTree(), "lookup": PromptLookup()}
 assert tuple(ROUND_METHODS) == tuple(METHODS), "a method without its RoundMethod"
+
+
+def with_static_fallback(config: DecodeConfig, policy: StoppingPolicy | TreePolicy | None
+                         ) -> tuple[DecodeConfig, StoppingPolicy | TreePolicy | None]:
+    """A `tree` decode whose policy names a static shape for this sampling, without a lookup
+    branch (its replay had none), as that shape's `mcsd` decode, `FixedDepth` at its depth (at
+    most `max_depth`); any other decode as it is."""
+    shape = static_shape(policy, config.sampling.greedy)
+    if config.method != "tree" or config.lookup_branch or shape is None:
+        return config, policy
+    depth = min(shape.depth, config.max_depth)
+    return (replace(config, method="mcsd", mcsd_branching=shape.widths, max_depth=depth),
+            FixedDepth(depth))
 
 
 def round_method(name: str) -> RoundMethod:

@@ -4,10 +4,12 @@ The cost model (`costs.py`) prices a round as its target pass, its draft steps a
 decisions, each timed alone.  A drafted round also draws, builds its trees and masks, verifies
 and commits on the host: on a 2-core CPU about 4 ms a `tree` round greedy and 8 sampled,
 beyond what an `ar` round spends, against a 55 ms target step (README, Collect).
-`round_overhead` measures it: the same prompts decoded by `ar` and by `tree` (EAGLE-2's
-confidence tree), every pass of either model timed where the curves time one (`KVModel.extend`
-and `extend_with_hidden`), the decisions by the loop; a round's remaining seconds, less an `ar`
-round's, in `ar` steps.
+`round_overhead` measures it for both kinds of drafted round: the same prompts decoded by `ar`,
+by `tree` (EAGLE-2's confidence tree) and by a static tree (`mcsd` drafting a fixed shape), every
+pass of either model timed where the curves time one (`KVModel.extend` and
+`extend_with_hidden`), the decisions by the loop; a round's remaining seconds, less an `ar`
+round's, in `ar` steps.  A static round spends about half a `tree` round's (no per-level
+selection, no trees or masks built per round), so the replay charges each its own.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ import torch
 from .costs import CostCurve
 from .kv import KVModel
 from .methods import DecodeConfig
-from .policy import ConfidenceTree
+from .policy import ConfidenceTree, FixedDepth
 from .runtime import Runtime
 from .tree_rule import TreeRule
 
 # a confidence tree like those the replay tunes (expand 0.35-0.5, one or two nodes fed a level)
 MEASURING_RULE = {"expand": 0.35, "rho": 1.4, "max_width": 2}
+# a static round like the best static shapes the replay finds: the first level's candidates,
+# then chains, two levels deep (`ti-mcsd`'s shape)
+MEASURING_STATIC_DEPTH = 2
 
 
 @contextmanager
@@ -64,18 +69,25 @@ def measuring_policy(branching: tuple[int, ...], costs: CostCurve) -> Confidence
 
 
 def round_overhead(runtime: Runtime, prompts: list[torch.Tensor], config: DecodeConfig,
-                   policy: ConfidenceTree) -> float:
-    """`ar` steps a drafted `tree` round spends beyond its passes and decisions, less what an
-    `ar` round spends beyond its pass, decoding `prompts` ([L] ids; the first also warms up)
-    as `config` says (its sampling, budget and depth)."""
+                   policy: ConfidenceTree) -> dict[str, float]:
+    """{"tree": a drafted `tree` round's, "static": a static round's} `ar` steps spent beyond
+    its passes and decisions, less what an `ar` round spends beyond its pass, decoding `prompts`
+    ([L] ids; the first also warms up) as `config` says (its sampling, budget and depth): the
+    `tree` rounds with `policy`, the static ones with `config`'s first level then chains, cut
+    at `MEASURING_STATIC_DEPTH`."""
     ar, passes = outside_per_round(runtime, prompts, dataclasses.replace(config, method="ar"))
     tree, _ = outside_per_round(runtime, prompts, dataclasses.replace(
         config, method="tree", lookup_branch=False), policy)
-    return (tree - ar) / statistics.median(passes)
+    static, _ = outside_per_round(runtime, prompts, dataclasses.replace(
+        config, method="mcsd", mcsd_branching=config.mcsd_branching[:1], lookup_branch=False),
+        FixedDepth(min(MEASURING_STATIC_DEPTH, config.max_depth)))
+    step = statistics.median(passes)
+    return {"tree": (tree - ar) / step, "static": (static - ar) / step}
 
 
 def outside_per_round(runtime: Runtime, prompts: list[torch.Tensor], config: DecodeConfig,
-                      policy: ConfidenceTree | None = None) -> tuple[float, list[float]]:
+                      policy: ConfidenceTree | FixedDepth | None = None
+                      ) -> tuple[float, list[float]]:
     """(seconds a round spends outside the models' passes and the policy's decisions, the
     prefill aside; the seconds of each target pass but the prefills)."""
     models = [runtime.target] + [m for m in [runtime.draft] if m not in (None, runtime.target)]

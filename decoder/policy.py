@@ -13,7 +13,8 @@ calls it, so its rounds take no decision and no sync.
 
 A `TreePolicy` instead predicts p-hat [n] = P(token accepted | parent accepted) from the same
 features; its `tree_rule` (`tree_rule.py`) turns the products of p-hat along each path into
-which nodes to expand and which to verify.
+which nodes to expand and which to verify.  One may name a `StaticShape` it decodes instead,
+greedy or sampled (`static_shape`): the static tree that beat it in its replay.
 
 The rules' arithmetic is written once, below, on arrays of either kind (torch here, NumPy in
 the replay, `specstop.replay.rules`), so what the replay tunes is what the runtime applies.
@@ -21,6 +22,7 @@ the replay, `specstop.replay.rules`), so what the replay tunes is what the runti
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -108,6 +110,29 @@ class TreePolicy(Protocol):
 
     def probabilities(self, features: torch.Tensor) -> torch.Tensor:  # [n, F] -> [n] float
         ...
+
+
+@dataclass(frozen=True)
+class StaticShape:
+    """A static tree every round: `widths` children per node at levels 1, 2, ... (then 1),
+    drafted `depth` levels deep (`mcsd`'s tree, `FixedDepth`)."""
+
+    widths: tuple[int, ...]
+    depth: int
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "StaticShape":
+        """{"widths": [...], "depth": d} (other keys ignored); a ValueError names the field."""
+        shape = cls(tuple(int(w) for w in raw["widths"]), int(raw["depth"]))
+        if not shape.widths or min(shape.widths) < 1 or shape.depth < 1:
+            raise ValueError(f"a static shape needs widths >= 1 and depth >= 1, got {raw!r}")
+        return shape
+
+
+def static_shape(policy: object, greedy: bool) -> StaticShape | None:
+    """The static shape a tree policy decodes instead of its tree, greedy or sampled (its
+    `static_shapes`; none for a policy without)."""
+    return getattr(policy, "static_shapes", {}).get(greedy)
 
 
 def decoding_rule(policy: TreePolicy, greedy: bool) -> TreeRule:

@@ -10,7 +10,9 @@ The rules are those the replay tuned, with the arithmetic both share (`.policy`)
   before they are drawn, exact; tuned on sampled rounds) where the export has one,
   behind the round gate `round_gate` (`.round_gate`; none: every round drafts); `fallback: ar`
   where no drafting policy beat `ar` in the replay on the cost curve it was tuned for: the
-  gate then never opens and the loop runs plain `ar`; `lookup_model`, the lookup chain's
+  gate then never opens and the loop runs plain `ar`; `static_tree` / `sampling_static_tree`,
+  the static shape that replayed faster than the tree greedy / sampled, which the loop then
+  decodes instead (`.methods.with_static_fallback`); `lookup_model`, the lookup chain's
   P(accepted | parent accepted) (`.lookup.LookupModel`) when a greedy round adds the chain;
 - threshold: continue below a node while p-hat > t;
 - cost_aware: continue below a node while P_d * p-hat_d / (c + v)_d > rho: P_d the product of
@@ -33,7 +35,7 @@ from specstop.common.files import check_file
 from specstop.features import FEATURES, SCHEMA_VERSION
 
 from .lookup import LookupModel
-from .policy import DEPTH, continues, cost_aware_score
+from .policy import DEPTH, StaticShape, continues, cost_aware_score
 from .round_gate import RoundGate
 from .tree_rule import TreeRule
 
@@ -41,6 +43,8 @@ STOP_MODEL_META = "specstop.json"
 RULES = ("threshold", "cost_aware")
 GATE_KEYS = ("round_gate", "fallback", "gated_speedup", "gated_share")  # `models.round_gate`
 SAMPLING_KEYS = ("sampling_tree_rule", "sampling_tree_speedup", "sampling_temperature")
+STATIC_KEYS = {True: "static_tree", False: "sampling_static_tree"}  # by greedy: the static
+# shape decoded instead of the tree (`models.tree_report`), or null
 
 
 def read_stop_model(path: Path) -> tuple[torch.jit.ScriptModule, dict]:
@@ -100,6 +104,8 @@ class LearnedPolicy:
             sampling = meta.get("sampling_tree_rule")
             self.sampling_rule = TreeRule.from_dict(sampling) if sampling else None
             self.round_gate = _round_gate(meta)
+            self.static_shapes = {greedy: StaticShape.from_dict(meta[key])
+                                  for greedy, key in STATIC_KEYS.items() if meta.get(key)}
             lookup = meta.get("lookup_model")
             self.lookup_model = LookupModel.from_dict(lookup) if lookup else None
         except (KeyError, TypeError, ValueError) as err:
@@ -153,10 +159,17 @@ class LearnedPolicy:
 
 
     def tree_summary(self, decision_seconds: float, seconds: float, gated: int = 0,
-                     rounds: int = 0) -> str:
+                     rounds: int = 0, greedy: bool = True) -> str:
         """One line on the `tree` method's use of the model (its decisions' share of a run, the
-        rounds its gate kept from drafting), or why it ran plain `ar`."""
+        rounds its gate kept from drafting), or why it ran plain `ar` or a static shape."""
         family = self.meta["family"]
+        shape = self.static_shapes.get(greedy)
+        if shape is not None:
+            static = self.meta[STATIC_KEYS[greedy]]
+            tree = self.meta["gated_speedup" if greedy else "sampling_tree_speedup"]
+            return (f"stop model: {family} decodes the static tree {list(shape.widths)} to depth "
+                    f"{shape.depth}: it beat the learned tree in the replay on its cost curve "
+                    f"({static['speedup']:.3f}x ar against {tree:.3f}x)")
         if self.round_gate is not None and self.round_gate.never:
             return (f"stop model: {family} falls back to ar: no drafting policy beat ar in the "
                     f"replay on its cost curve (its tree {self.meta['tree_speedup']:.3f}x ar); "

@@ -434,6 +434,7 @@ def _summary(entries: dict[str, Entry], bench: Bench, dataset: data.Dataset,
                    e.latency if config.charge_decision_latency else 0.0)[1:-1].tolist(),
                "tree_rule": trees.rules[name].as_dict(),
                "tree_speedup": trees.tuned[name].result.speedup, **trees.gates[name].as_dict(),
+               "static_tree": trees.static_fallback(name, trees.gates[name].result.speedup),
                **_sampling_entry(sampling, name)}
         for name, e in entries.items() if e.model is not None}
     return {"winner": winner, "feature_schema_version": dataset.schema_version,
@@ -458,13 +459,15 @@ def _summary(entries: dict[str, Entry], bench: Bench, dataset: data.Dataset,
 
 
 def _sampling_entry(sampling: tree_report.SamplingComparison | None, family: str) -> dict:
-    """A family's sampling tree rule and its replayed speed (none without sampled rounds)."""
+    """A family's sampling tree rule, its replayed speed and the static shape decoded instead
+    where one replayed faster (none without sampled rounds)."""
     if sampling is None:
         return {"sampling_tree_rule": None, "sampling_tree_speedup": None,
-                "sampling_temperature": None}
+                "sampling_temperature": None, "sampling_static_tree": None}
+    speed = sampling.tuned[family].result.speedup
     return {"sampling_tree_rule": sampling.rules[family].as_dict(),
-            "sampling_tree_speedup": sampling.tuned[family].result.speedup,
-            "sampling_temperature": sampling.temperature}
+            "sampling_tree_speedup": speed, "sampling_temperature": sampling.temperature,
+            "sampling_static_tree": sampling.static_fallback(family, speed)}
 
 
 def _write_plot_data(entries: dict[str, Entry], bench: Bench) -> None:

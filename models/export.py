@@ -8,7 +8,10 @@ whose dynamic tree (`tree_rule` in the metadata) is fastest in the val replay; t
 lower decision latency of the exported file.  With `export.costs` (another machine's
 costs.json) every family's tree rule is re-tuned on val for that cost curve before export:
 the same predictions, the trees that pay there, and their round gates (`models.round_gate`):
-where no drafting policy beats `ar` on that curve the exported rule says `fallback: ar`.
+where no drafting policy beats `ar` on that curve the exported rule says `fallback: ar`, and
+where the best static shape beats the tree and `ar` there the file names it (`static_tree`, the
+shape the decoder then drafts; none sampled, `sampling_static_tree`, whose replay was this
+machine's).
 metrics/export.json's `vs_ar` gives the winner's replay against `ar` on this machine's cost
 curve (`own`, stage train's) and on `export.costs` (`export_costs`).
 """
@@ -109,7 +112,9 @@ def _retuned(summary: dict, dataset: data.Dataset, costs: CostModel, X: np.ndarr
     out = json.loads(json.dumps(summary))
     for f, entry in out["families"].items():
         entry.update(tree_rule=trees.rules[f].as_dict(), **trees.gates[f].as_dict(),
-                     tree_speedup=trees.tuned[f].result.speedup, tree_costs=str(config.costs))
+                     tree_speedup=trees.tuned[f].result.speedup, tree_costs=str(config.costs),
+                     static_tree=trees.static_fallback(f, trees.gates[f].result.speedup),
+                     sampling_static_tree=None)  # this machine's sampled replay: not there
     return out
 
 
@@ -117,7 +122,9 @@ def _vs_ar(entry: dict) -> dict:
     """A family's replay against `ar` (speedup 1): its tree rule alone, and behind its gate."""
     return {"tree_vs_ar": entry["tree_speedup"], "vs_ar": entry.get("gated_speedup"),
             "gated_share": entry.get("gated_share"), "fallback": entry.get("fallback"),
-            "round_gate": entry.get("round_gate") is not None}
+            "round_gate": entry.get("round_gate") is not None,
+            "static_tree": entry.get("static_tree"),
+            "sampling_static_tree": entry.get("sampling_static_tree")}
 
 
 def _export_one(family: str, summary: dict, X: np.ndarray, level: torch.Tensor,

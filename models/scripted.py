@@ -21,7 +21,7 @@ from torch import nn
 
 from specstop.common.errors import SpecstopError
 from specstop.common.files import write_atomic
-from specstop.decoder.stop_model import GATE_KEYS, SAMPLING_KEYS, STOP_MODEL_META
+from specstop.decoder.stop_model import GATE_KEYS, SAMPLING_KEYS, STATIC_KEYS, STOP_MODEL_META
 from specstop.features import FEATURES, SCHEMA_VERSION
 
 from .anchor import Anchor
@@ -148,6 +148,7 @@ def metadata(family: str, summary: dict) -> dict:
             "tree_speedup": entry["tree_speedup"], "tree_costs": entry.get("tree_costs"),
             **{key: entry.get(key) for key in SAMPLING_KEYS},
             **{key: entry.get(key) for key in GATE_KEYS},
+            **{key: entry.get(key) for key in STATIC_KEYS.values()},
             "lookup_model": summary.get("lookup_model"),
             "label": summary["label"], "dataset_digest": summary["dataset_digest"],
             "mlflow_run_id": entry["run_id"], "mlflow_experiment": summary["experiment"]}

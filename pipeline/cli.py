@@ -134,7 +134,8 @@ def _generate(args: argparse.Namespace, params: Params) -> None:
     stats = generation.stats
     if isinstance(policy, LearnedPolicy):
         print(policy.tree_summary(stats.decision_seconds, stats.seconds, stats.gated,
-                                  stats.target_calls - 1)  # the prefill is no round
+                                  stats.target_calls - 1,  # the prefill is no round
+                                  config.sampling.greedy)
               if config.method == "tree" else policy.summary())
     print(stats.summary())
 

@@ -8,7 +8,7 @@ verifies the ancestor-closed set K yields 1 + |accepted in K| tokens and costs i
 (one per level fed, at the width fed, decision latency included) plus one target pass over
 1 + |K| tokens as the decode loop pays it, padding included, plus the host work of a drafted
 round beyond `ar`'s (`TreeCosts`: the measured `CostCurve`'s prices and `CostModel.overhead`,
-in `ar` steps).  Sampled rounds are scored
+a static shape's round its own, in `ar` steps).  Sampled rounds are scored
 by their exact expected tokens given the drafted tree (the verification's draws integrated out,
 not the one logged): each row's `accept_prob` is its exact
 chance of acceptance given its parent was accepted and its earlier siblings were not, which does
@@ -42,7 +42,7 @@ replayed round passes the tokens it yields), as in `replay.simulate`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -66,15 +66,17 @@ class TreeCosts:
     verify: np.ndarray  # [N + 1] pass over n tokens as the loop pays it (`CostCurve.prices`)
     step: np.ndarray  # [W + 1] draft step feeding w nodes, decision included (index 0: 0)
     round: float = 0.0  # a drafted round's work outside its passes and decisions, beyond ar's
+    static_round: float = 0.0  # the same for a static shape's round (no per-round selection)
 
     @classmethod
     def from_model(cls, costs: CostModel, nodes: int, widths: int, extra: float = 0.0,
                    sampled: bool = False) -> "TreeCosts":
         """`extra` seconds per decision (a learned model's latency) on top of the features';
-        a drafted round's overhead as measured for greedy or `sampled` rounds."""
+        a drafted round's overhead (a dynamic tree's, a static one's) as measured for greedy or
+        `sampled` rounds."""
         verify = costs.target.prices(nodes + 1)
         step = np.array([0.0] + [costs.draft_step(w, extra) for w in range(1, widths + 1)])
-        return cls(verify, step, costs.overhead(sampled))
+        return cls(verify, step, costs.overhead(sampled), costs.overhead(sampled, static=True))
 
     def rule(self, branching: tuple[int, ...], expand: float, rho: float, width: int,
              rank_accept: tuple[tuple[float, ...], ...] = ()) -> TreeRule:
@@ -177,13 +179,15 @@ class TreeReplay:
         return widths
 
     def static(self, nodes: np.ndarray, costs: TreeCosts) -> TreeResult:
-        """A fixed ancestor-closed set of the superset tree's nodes ([N] bool) every round."""
+        """A fixed ancestor-closed set of the superset tree's nodes ([N] bool) every round, a
+        static round's host work charged (`TreeCosts.static_round`)."""
         kept = nodes[self.node]
         fed = np.zeros(len(kept), dtype=bool)
         inner = kept & (self.parent_row >= 0)
         fed[self.parent_row[inner]] = True
         root = np.bincount(self.round_index, kept & (self.level == 1), self.rounds) > 0
-        return self.score(kept, self._fed_widths(fed, root), costs)
+        static = replace(costs, round=costs.static_round)
+        return self.score(kept, self._fed_widths(fed, root), static)
 
     def dynamic(self, p: np.ndarray, rule: TreeRule, costs: TreeCosts,
                 gated: np.ndarray | None = None, chains: LookupChains | None = None,

@@ -136,7 +136,10 @@ def test_collect_logs_each_temperature_in_parts_of_its_own(tiny_target, tmp_path
     assert sampled["accept_prob"].between(0, 1).all() and sampled["accept_prob"].nunique() > 2
     assert data.load(out, temperature=1.0).val.rows["temperature"].eq(1.0).all()
     overhead = json.loads((out / "costs.json").read_text())["round_overhead"]
-    assert set(overhead) == {"greedy", "sampled"} and all(np.isfinite(list(overhead.values())))
+    assert set(overhead) == {"tree", "static"}
+    assert all(set(by_temperature) == {"greedy", "sampled"}
+               and all(np.isfinite(list(by_temperature.values())))
+               for by_temperature in overhead.values())
 
 
 def test_collect_refuses_prompts_the_draft_learned_from(tiny_target, tmp_path, monkeypatch):

@@ -315,7 +315,8 @@ def test_where_nothing_pays_the_exported_rule_is_ar(exported, tmp_path, tiny_mod
     assert metrics["vs_ar"] == {"own": {
         "tree_vs_ar": own["tree_speedup"], "vs_ar": own["gated_speedup"],
         "gated_share": own["gated_share"], "fallback": None,
-        "round_gate": own["round_gate"] is not None}, "export_costs": None}
+        "round_gate": own["round_gate"] is not None, "static_tree": own["static_tree"],
+        "sampling_static_tree": own["sampling_static_tree"]}, "export_costs": None}
     assert own["gated_speedup"] >= own["tree_speedup"] > 1.0  # drafting pays on its own curve
     costs = json.loads((config.data / "costs.json").read_text())
     costs["target"]["seconds"] = {n: 0.04 * int(n) for n in costs["target"]["seconds"]}
@@ -330,7 +331,8 @@ def test_where_nothing_pays_the_exported_rule_is_ar(exported, tmp_path, tiny_mod
     assert meta["tree_speedup"] < 1.0
     assert retuned["vs_ar"]["export_costs"] == {
         "tree_vs_ar": meta["tree_speedup"], "vs_ar": 1.0, "gated_share": 1.0, "fallback": "ar",
-        "round_gate": False}
+        "round_gate": False, "static_tree": None, "sampling_static_tree": None}  # no static
+    # shape beats `ar` there either
     argv = ["generate", "--target", str(tiny_model_dir), "--draft", str(tiny_model_dir),
             "--dtype", "float32", "--max-new-tokens", "8", "--prompt", "hi"]
     ar = run_specstop([*argv, "--method", "ar"], tmp_path)

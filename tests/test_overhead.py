@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specstop.common.errors import DataError
-from specstop.decoder import dynamic
+from specstop.decoder import dynamic, overhead
 from specstop.decoder.costs import CostCurve, CostModel
 from specstop.decoder.kv import KVModel
 from specstop.decoder.methods import DecodeConfig
@@ -66,23 +66,51 @@ def test_host_work_outside_the_passes_is_what_the_overhead_counts(
     outside, passes = outside_per_round(runtime, prompts, config, policy())
     assert outside >= SLEEP and len(passes) > 0
     steps = round_overhead(runtime, prompts, config, policy())
-    assert np.isfinite(steps) and steps > 0
+    assert set(steps) == {"tree", "static"} and all(np.isfinite(list(steps.values())))
+    assert steps["tree"] > 0 and steps["tree"] > steps["static"]  # the sleep is the tree's only
+
+
+def test_the_static_rounds_decode_the_first_level_then_chains_without_a_dynamic_tree(
+        runtime, prompts, monkeypatch) -> None:
+    trees, calls = [], []
+    init, outside = dynamic.DraftedTree.__init__, overhead.outside_per_round
+    monkeypatch.setattr(dynamic.DraftedTree, "__init__",
+                        lambda self, *args: trees.append(1) or init(self, *args))
+
+    def counted(runtime, prompts, config, policy=None):
+        before = len(trees)
+        result = outside(runtime, prompts, config, policy)
+        calls.append((config, policy, len(trees) - before))
+        return result
+
+    monkeypatch.setattr(overhead, "outside_per_round", counted)
+    steps = round_overhead(runtime, prompts, CONFIG, policy())
+    by_method = {config.method: (config, policy, built) for config, policy, built in calls}
+    static, fixed, built = by_method["mcsd"]
+    assert static.mcsd_branching == (2,) and fixed.gamma == overhead.MEASURING_STATIC_DEPTH
+    assert built == 0 and by_method["tree"][2] > 0 and np.isfinite(steps["static"])
 
 
 def test_the_cost_model_reads_the_overhead_and_the_tree_replay_charges_drafted_rounds(
         tmp_path: Path) -> None:
     raw = {"tree_sizes": [1, 3], "target": {"seconds": {"1": 0.1, "4": 0.12}},
-           "draft": {"seconds": {"1": 0.01}}, "round_overhead": {"greedy": 0.05,
-                                                                 "sampled": 0.2}}
+           "draft": {"seconds": {"1": 0.01}},
+           "round_overhead": {"tree": {"greedy": 0.05, "sampled": 0.2},
+                              "static": {"greedy": 0.02, "sampled": 0.1}}}
     path = tmp_path / "costs.json"
     path.write_text(json.dumps(raw))
     model = CostModel.load(path)
     assert model.overhead(False) == 0.05 and model.overhead(True) == 0.2
+    assert model.overhead(False, static=True) == 0.02 and model.overhead(True, static=True) == 0.1
     plain = TreeCosts.from_model(model, 4, 2)
-    assert plain.round == 0.05 and TreeCosts.from_model(model, 4, 2, sampled=True).round == 0.2
+    assert (plain.round, plain.static_round) == (0.05, 0.02)
+    assert TreeCosts.from_model(model, 4, 2, sampled=True).static_round == 0.1
+    path.write_text(json.dumps({**raw, "round_overhead": {"greedy": 0.05}}))
+    assert CostModel.load(path).overhead(False, static=True) == 0.05  # one kind timed: both
     del raw["round_overhead"]
     path.write_text(json.dumps(raw))
     assert CostModel.load(path).overhead(True) == 0.0  # a table from before the overhead
-    path.write_text(json.dumps({**raw, "round_overhead": {"greedy": "nan"}}))
-    with pytest.raises(DataError, match=r"costs.json: not a cost model .*round_overhead"):
-        CostModel.load(path)
+    for bad in ({"greedy": "nan"}, {"static": {"sampled": "inf"}}, {"tree": [0.1]}):
+        path.write_text(json.dumps({**raw, "round_overhead": bad}))
+        with pytest.raises(DataError, match=r"costs.json: not a cost model .*round_overhead"):
+            CostModel.load(path)

@@ -1,8 +1,11 @@
 """The round gate: the replay's accounting of gated rounds, `ar` as the policy to beat, the fit
 and the tuning (`models.round_gate`), the gate's arithmetic as the runtime applies it, and the
-decode loop behind a gate (greedy identity with `ar`, caches) or falling back to `ar`."""
+decode loop behind a gate (greedy identity with `ar`, caches), falling back to `ar`, or
+decoding the static shape that beat the tree."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -17,6 +20,7 @@ from specstop.decoder.loop import DecodeConfig, DecodeStats, generate
 from specstop.decoder.lookup import LookupModel
 from specstop.decoder.policy import ConfidenceTree, FixedDepth
 from specstop.decoder.round_gate import GATE_FEATURES, RoundGate
+from specstop.decoder.sampling import Sampling
 from specstop.decoder.stop_model import load_stop_model
 from specstop.features import RoundContext
 from specstop.models import round_gate
@@ -212,6 +216,36 @@ def test_a_stop_model_that_falls_back_decodes_plain_ar(models, tmp_path):
                                    stats.target_calls - 1)
         assert line.startswith("stop model: logistic falls back to ar: no drafting policy beat "
                                "ar") and "0.910x ar" in line
+
+
+def test_a_stop_model_naming_a_static_shape_decodes_it_where_it_beat_the_tree(models, tmp_path):
+    """Sampled, the file's `sampling_static_tree` is decoded as `mcsd` decodes that shape (the
+    same draws, tokens and rounds); greedy, the learned tree still runs."""
+    shape = {"widths": [2, 1, 1], "depth": 2, "speedup": 1.3}
+    policy = load_stop_model(write_stop_model(tmp_path / "static.pt", sampling_static_tree=shape,
+                                              sampling_tree_speedup=1.2))
+    plain = load_stop_model(write_stop_model(tmp_path / "plain.pt"))
+    hot = replace(dt.TREE, sampling=Sampling(0.8))
+    static = replace(hot, method="mcsd", mcsd_branching=(2, 1, 1), max_depth=2)
+    for prompt in dt.prompts(2, seed=6):
+        runs = [generate(KVModel(models[0]), ModelDrafter(KVModel(models[1])), prompt, config,
+                         rule, generator=torch.Generator().manual_seed(3))
+                for config, rule in [(hot, policy), (static, FixedDepth(2)), (dt.TREE, policy),
+                                     (dt.TREE, plain)]]
+        fallback, mcsd, greedy, learned = (run.stats for run in runs)
+        assert runs[0].tokens == runs[1].tokens
+        assert (fallback.target_calls, fallback.draft_steps, fallback.drafted_tokens) == \
+            (mcsd.target_calls, mcsd.draft_steps, mcsd.drafted_tokens)
+        assert runs[2].tokens == runs[3].tokens == dt.ar_tokens(models, prompt)
+        assert (greedy.drafted_tokens, greedy.decision_seconds > 0) == \
+            (learned.drafted_tokens, True)  # the tree, deciding
+    line = policy.tree_summary(0.0, 1.0, greedy=False)
+    assert line.startswith("stop model: logistic decodes the static tree [2, 1, 1] to depth 2")
+    assert "1.300x ar against 1.200x" in line
+    assert policy.tree_summary(0.1, 1.0).startswith("stop model: logistic, tree rule")
+    with pytest.raises(SpecstopError, match="incomplete metadata"):
+        load_stop_model(write_stop_model(tmp_path / "bad.pt",
+                                         static_tree={"widths": [0], "depth": 2}))
 
 
 def test_a_stop_model_carries_its_gate(tmp_path):

@@ -257,3 +257,35 @@ def test_the_winner_is_reported_against_ar_with_its_round_gate(trained):
     entry = json.loads((config.out / "summary.json").read_text())["families"][winner["family"]]
     assert entry["gated_speedup"] == winner["vs_ar"] and entry["fallback"] is None
     assert (entry["round_gate"] is not None) == winner["round_gate"]
+
+
+def test_each_family_names_the_static_shape_that_beat_its_tree(trained):
+    """The summary's `static_tree` is the best grid shape where it replayed faster than the
+    family's tree behind its gate (and `ar`), else null; the sampling one likewise."""
+    folder, config, store, report = trained
+    static = json.loads(config.metrics.read_text())["replay"]["policies"]["static_tree"]
+    for family, entry in json.loads((config.out / "summary.json").read_text())[
+            "families"].items():
+        beaten = static["simulated_speedup"] > max(entry["gated_speedup"], 1.0)
+        expected = {"widths": static["widths"], "depth": static["depth"],
+                    "speedup": static["simulated_speedup"]} if beaten else None
+        assert entry["static_tree"] == expected, family
+        assert "sampling_static_tree" in entry
+
+
+@pytest.mark.parametrize("speeds, named", [((1.3, 1.2), True), ((1.2, 1.3), False),
+                                           ((0.9, 0.8), False)])
+def test_the_static_fallback_needs_the_shape_to_beat_the_tree_and_ar(speeds, named):
+    from specstop.models.tree_report import SamplingComparison
+    from specstop.replay.tree_replay import TreeResult, Tuned
+
+    static, tree = speeds
+
+    def tuned(name: str, speed: float, setting: dict) -> Tuned:
+        return Tuned(name, TreeResult(speed, 2.0, 3.0, 2.0), setting, [])
+
+    comparison = SamplingComparison(0.7, {
+        "static_tree": tuned("static_tree", static, {"widths": [3, 1, 1], "depth": 2}),
+        "logistic": tuned("logistic", tree, {"expand": 0.1})}, {}, ("logistic",))
+    fallback = comparison.static_fallback("logistic", tree)
+    assert fallback == ({"widths": [3, 1, 1], "depth": 2, "speedup": static} if named else None)

@@ -156,10 +156,11 @@ def test_static_chain_counts_the_accepted_rank0_prefix():
     assert result.speedup == pytest.approx(rounds.speed(), rel=1e-12)
 
 
-def test_a_drafted_round_pays_the_host_overhead_and_a_gated_one_does_not():
+def test_a_drafted_round_pays_its_kinds_host_overhead_and_a_gated_one_does_not():
+    """A static shape's round pays `static_round`, a dynamic tree's `round`."""
     rows = superset_rows(30, seed=2)
     replay = TreeReplay.from_rows(rows, BRANCHING)
-    costs = replace(COSTS, round=0.3)
+    costs = replace(COSTS, round=0.5, static_round=0.3)
     chain = shape_nodes(replay.tree, (1, 1, 1), 2)
     rounds = Rounds()
     for _, rnd in rows.groupby(["prompt_id", "round"], sort=False):
@@ -173,6 +174,8 @@ def test_a_drafted_round_pays_the_host_overhead_and_a_gated_one_does_not():
     gated = replay.dynamic(p, rule, costs, gated=np.ones(replay.rounds, dtype=bool))
     assert gated.speedup == pytest.approx(1.0)  # `ar`: the root alone, no draft, no overhead
     assert replay.dynamic(p, rule, costs).speedup < replay.dynamic(p, rule, COSTS).speedup
+    assert replay.dynamic(p, rule, costs) == replay.dynamic(p, rule, replace(costs,
+                                                                           static_round=0.0))
     assert replay.oracle(costs).speedup < replay.oracle(COSTS).speedup
 
 
