@@ -1,6 +1,7 @@
 """Stage `bench`'s work: every method side by side on the held-out test prompts, greedy and
 sampling, in one process: `ar` (twice: the A/A noise floor); `sd` at its best fixed γ; `mcsd`
-and `ti-mcsd` static and `static-tree`, the replay's best static shape; the dynamic trees
+and `ti-mcsd` static and `static-tree`, the replay's best static shape (each mode's own: the
+greedy replay's, the sampled replay's); the dynamic trees
 (method `tree`): `tree+confidence` (EAGLE-2-style, the draft's path confidence) and
 `tree+stop_model` (the exported winner, the policy the pipeline ships), each with the rule the
 replay tuned, and `tree+stop_model+lookup`, the winner's tree with the prompt-lookup chain
@@ -62,7 +63,8 @@ class Plan:
     winner: LearnedPolicy
     families: dict[str, LearnedPolicy]  # the other exported families
     confidence_tree: TreeRule  # the EAGLE-2-style tree's tuned rule (the draft's confidence)
-    static_tree: dict  # the replay's best static shape: {"widths": [...], "depth": d}
+    static_tree: dict[str, dict]  # mode -> its replay's best static shape: {"widths": [...],
+    # "depth": d} (greedy: on the greedy rounds; sampling: on the sampled ones)
     simulated: dict[str, dict[str, float]]  # mode -> method -> simulated speedup on val
     peer_draft: str | None  # the plain draft specstop and transformers both run
     peer_note: str  # what it is, or why there is none
@@ -116,6 +118,7 @@ def run(config: BenchConfig, models: ModelsConfig, collect: CollectConfig,
              "confidence_threshold": plan.confidence, "winner": plan.winner.meta["family"],
              "winner_rule": plan.winner.rule,
              "winner_fallback": plan.winner.meta.get("fallback"),  # "ar": its tree never drafts
+             "static_tree": plan.static_tree,  # `static-tree`'s shape by mode
              "winner_static_tree": {mode: plan.winner.meta.get(key) for mode, key in
                                     (("greedy", "static_tree"),
                                      ("sampling", "sampling_static_tree"))},  # decoded
@@ -202,8 +205,10 @@ def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
                 winner=winner,
                 families=families,
                 confidence_tree=TreeRule.from_dict(summary["confidence_tree_rule"]),
-                static_tree={"widths": trees["static_tree"]["widths"],
-                             "depth": trees["static_tree"]["depth"]},
+                static_tree={mode: {"widths": shape["widths"], "depth": shape["depth"]}
+                             for mode, shape in (("greedy", trees["static_tree"]),
+                                                 ("sampling", sampled.get("static_tree")
+                                                  or trees["static_tree"]))},
                 simulated={"greedy": simulated, "sampling": simulated_sampling},
                 peer_draft=peer, peer_note=note,
                 peer_gamma=int(measured.get("best_gamma") or sd_gamma)
@@ -277,8 +282,9 @@ def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan, peers: Peers | No
         return dataclasses.replace(base, method=method, **changes)
 
     ti = cfg("ti-mcsd")
-    static_tree = cfg("mcsd", mcsd_branching=tuple(plan.static_tree["widths"]),
-                      max_depth=max(base.max_depth, plan.static_tree["depth"]))
+    shape = plan.static_tree["greedy" if base.sampling.greedy else "sampling"]  # this mode's
+    static_tree = cfg("mcsd", mcsd_branching=tuple(shape["widths"]),
+                      max_depth=max(base.max_depth, shape["depth"]))
     sd = cfg("sd", max_depth=max(base.max_depth, plan.sd_gamma))
     lookup_options = {"max_depth": max(base.max_depth, lookup_tokens),
                       "lookup_ngram": PROMPT_LOOKUP_NGRAM}
@@ -291,8 +297,7 @@ def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan, peers: Peers | No
         decoder_method(runtime, ti, ConfidenceThreshold(plan.confidence), "ti-mcsd+confidence"),
         *[decoder_method(runtime, ti, p, f"ti-mcsd+{f}") for f, p in plan.families.items()],
         decoder_method(runtime, ti, plan.winner, "ti-mcsd+stop_model"),
-        decoder_method(runtime, static_tree, FixedDepth(plan.static_tree["depth"]),
-                       "static-tree"),
+        decoder_method(runtime, static_tree, FixedDepth(shape["depth"]), "static-tree"),
         decoder_method(runtime, cfg("tree"), ConfidenceTree(plan.confidence_tree),
                        "tree+confidence"),
         *[decoder_method(runtime, cfg("tree"), p, f"tree+{f}") for f, p in plan.families.items()],

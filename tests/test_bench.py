@@ -203,3 +203,27 @@ def test_the_paired_bootstrap_recovers_a_known_ratio():
 def test_a_tuned_threshold_at_infinity_is_the_probability_it_means():
     """The replay's "never stop" / "stop after a level" (-inf / +inf) run as 0 / 1."""
     assert [bench._probability(t) for t in (-math.inf, 0.3, math.inf)] == [0.0, 0.3, 1.0]
+
+
+def test_static_tree_decodes_each_modes_best_static_shape(tmp_path, monkeypatch):
+    """Greedy, the greedy replay's best static shape; sampled, the sampled replay's."""
+    monkeypatch.chdir(tmp_path)
+    write_trained_outputs(tmp_path, families=("logistic",))
+    train = json.loads(Path("metrics/train.json").read_text())
+    train["replay"]["sampling"] = {"policies": {"static_tree": {
+        "simulated_speedup": 1.05, "widths": [3, 1, 1], "depth": 1}}}
+    Path("metrics/train.json").write_text(json.dumps(train))
+    config = validate({"bench": {"prompts": 2}}).bench
+    plan = bench._plan(config, validate({}).models)
+    assert plan.static_tree == {"greedy": {"widths": [2, 1, 1], "depth": 2},
+                                "sampling": {"widths": [3, 1, 1], "depth": 1}}
+
+    class Recorded:  # a runtime that returns what it was asked to decode
+        def generate(self, prompt, config, policy, seed):
+            return config, policy
+
+    for temperature, widths, depth in [(0.0, (2, 1, 1), 2), (0.8, (3, 1, 1), 1)]:
+        base = bench._base_config(config, validate({}).collect, temperature)
+        methods = {m.name: m for m in bench._methods(Recorded(), base, plan, None, 10)}
+        decoded, policy = methods["static-tree"].decode(None, 0)
+        assert (decoded.method, decoded.mcsd_branching, policy.gamma) == ("mcsd", widths, depth)
