@@ -36,7 +36,7 @@ from specstop.decoder.costs import measure_verify_costs
 from specstop.decoder.loop import DecodeConfig
 from specstop.decoder.policy import ConfidenceThreshold, ConfidenceTree, FixedDepth
 from specstop.decoder.runtime import Runtime, decode_config
-from specstop.decoder.stop_model import LearnedPolicy, load_stop_model
+from specstop.decoder.stop_model import STATIC_KEYS, LearnedPolicy, load_stop_model
 from specstop.decoder.tree_rule import TreeRule
 from specstop.drafts.loading import (is_plain_draft, plain_assistant, require_draft, runtime_from,
                                      with_draft)
@@ -119,10 +119,9 @@ def run(config: BenchConfig, models: ModelsConfig, collect: CollectConfig,
              "winner_rule": plan.winner.rule,
              "winner_fallback": plan.winner.meta.get("fallback"),  # "ar": its tree never drafts
              "static_tree": plan.static_tree,  # `static-tree`'s shape by mode
-             "winner_static_tree": {mode: plan.winner.meta.get(key) for mode, key in
-                                    (("greedy", "static_tree"),
-                                     ("sampling", "sampling_static_tree"))},  # decoded
-             # instead of its tree (null: none)
+             "winner_static_tree": {mode: plan.winner.meta.get(STATIC_KEYS[mode == "greedy"])
+                                    for mode in ("greedy", "sampling")},  # decoded instead
+             # of its tree (null: none)
              "methods": config.methods,
              "sampling_methods": config.sampling_methods,
              "order": "warm-up decode per method, then the method order rotated per prompt",
@@ -230,7 +229,7 @@ def _tree_speedup(meta: dict, greedy: bool = True) -> float | None:
     """A stop model's replayed `tree` speed: the static shape's where it decodes one instead,
     else greedy its tree's behind its round gate (1 where it falls back to `ar`), sampled its
     sampling rule's."""
-    static = meta.get("static_tree" if greedy else "sampling_static_tree")
+    static = meta.get(STATIC_KEYS[greedy])
     if static:
         return static["speedup"]
     if not greedy:

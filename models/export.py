@@ -34,7 +34,7 @@ from specstop.common.files import read_json, write_atomic, write_json
 from specstop.common.params import ExportConfig, TrackingStore
 from specstop.decoder.costs import CostModel
 from specstop.decoder.policy import confidence_score
-from specstop.decoder.stop_model import LearnedPolicy, read_stop_model
+from specstop.decoder.stop_model import STATIC_KEYS, LearnedPolicy, read_stop_model
 from specstop.features import feature_index
 
 from . import evaluate, scripted, tree_report
@@ -123,8 +123,7 @@ def _vs_ar(entry: dict) -> dict:
     return {"tree_vs_ar": entry["tree_speedup"], "vs_ar": entry.get("gated_speedup"),
             "gated_share": entry.get("gated_share"), "fallback": entry.get("fallback"),
             "round_gate": entry.get("round_gate") is not None,
-            "static_tree": entry.get("static_tree"),
-            "sampling_static_tree": entry.get("sampling_static_tree")}
+            **{key: entry.get(key) for key in STATIC_KEYS.values()}}
 
 
 def _export_one(family: str, summary: dict, X: np.ndarray, level: torch.Tensor,
