@@ -1,15 +1,15 @@
 """What a drafted round spends outside the models' passes, which the cost curves do not hold.
 
 The cost model (`costs.py`) prices a round as its target pass, its draft steps and its
-decisions, each timed alone.  A drafted round also draws, builds its trees and masks, verifies
-and commits on the host: on a 2-core CPU about 4 ms a `tree` round greedy and 8 sampled,
-beyond what an `ar` round spends, against a 55 ms target step (README, Collect).
+decisions, each timed alone.  A drafted round also draws, picks its trees and masks, verifies
+and commits on the host: on a 2-core CPU a few ms a round beyond what an `ar` round spends,
+against a 50 ms target step (README, Collect).
 `round_overhead` measures it for both kinds of drafted round: the same prompts decoded by `ar`,
 by `tree` (EAGLE-2's confidence tree) and by a static tree (`mcsd` drafting a fixed shape), every
 pass of either model timed where the curves time one (`KVModel.extend` and
 `extend_with_hidden`), the decisions by the loop; a round's remaining seconds, less an `ar`
-round's, in `ar` steps.  A static round spends about half a `tree` round's (no per-level
-selection, no trees or masks built per round), so the replay charges each its own.
+round's, in `ar` steps.  A static round spends less than a `tree` round (no per-level
+selection, no fed and verified trees to gather), so the replay charges each its own.
 """
 
 from __future__ import annotations

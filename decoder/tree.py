@@ -16,10 +16,13 @@ round sends nothing to the device.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
+
+TREES_KEPT = 1024  # trees `from_parents` keeps by shape (a decode builds a few dozen)
 
 
 @dataclass(frozen=True)
@@ -48,9 +51,15 @@ class Tree:
     def from_parents(cls, parent: torch.Tensor | np.ndarray | Sequence[int]) -> Tree:
         """The tree whose node i has parent `parent[i]` ([N] long, -1 for a root): parents come
         before children, levels are contiguous, a node's children are contiguous and in rank
-        order and children follow their parents' order (so `parent` is non-decreasing)."""
+        order and children follow their parents' order (so `parent` is non-decreasing).  One
+        tree per shape is built and kept (`_tree_of_parents`): callers must not change it."""
         parent = np.array(parent.numpy() if isinstance(parent, torch.Tensor) else parent,
                           dtype=np.int64).ravel()
+        return _tree_of_parents(parent.tobytes())
+
+    @classmethod
+    def _built_from(cls, parent: np.ndarray) -> Tree:
+        """`from_parents` without the keeping."""
         n = parent.shape[0]
         if n == 0 or parent[0] != -1 or (parent >= np.arange(n)).any() \
                 or (np.diff(parent) < 0).any():
@@ -181,6 +190,14 @@ class Tree:
             path.append(node)
             node = int(self.parent[node])
         return path[::-1]
+
+
+@lru_cache(maxsize=TREES_KEPT)
+def _tree_of_parents(parent: bytes) -> Tree:
+    """`Tree.from_parents` of an int64 parent array's bytes, kept: a dynamic tree's rounds
+    build a few dozen shapes again and again (95% of the calls in a decode), and a kept tree
+    keeps its device copy and additive masks too."""
+    return Tree._built_from(np.frombuffer(parent, dtype=np.int64).copy())
 
 
 INDEX_FIELDS = ("parent", "parent_row", "depth", "rank", "root", "branch")  # [N] long each

@@ -2,6 +2,7 @@
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -139,6 +140,18 @@ def test_from_parents_builds_an_irregular_tree():
     assert tree.path_to(7) == [0, 1, 4, 7]
     assert torch.equal(tree.level_rows(2), tree.mask[4:7, :7])
     assert torch.equal(tree.padded_mask(1, 6)[:4, :4], tree.sliced_mask(1))
+
+
+def test_from_parents_keeps_one_tree_per_shape():
+    """A dynamic round builds the same few shapes again and again: each is built once, with
+    its masks and device copies, whatever form its parents come in."""
+    tree = Tree.from_parents([-1, 0, 0, 1, 2])
+    assert Tree.from_parents(np.array([-1, 0, 0, 1, 2])) is tree
+    assert Tree.from_parents(torch.tensor([-1, 0, 0, 1, 2])) is tree
+    assert tree.padded_bias(2, 8, torch.float32) is \
+        Tree.from_parents([-1, 0, 0, 1, 2]).padded_bias(2, 8, torch.float32)
+    other = Tree.from_parents([-1, 0, 0, 1, 1])
+    assert other is not tree and other.branching == (2, 2) and tree.branching == (2, 1)
 
 
 @pytest.mark.parametrize("parent", [[], [0], [-1, 1], [-1, 0, 0, 1, 0], [-1, -1, 0, -1]])
