@@ -116,7 +116,7 @@ def _lightgbm(folder: Path, example: np.ndarray, tree_implementation: str):
     path = folder / "lightgbm.txt"
     if not path.is_file():
         raise FileNotFoundError(2, "missing", str(path))
-    booster = lgb.Booster(model_file=str(path))
+    booster = float32_splits(lgb.Booster(model_file=str(path)))
     spec = json.loads((folder / "lightgbm.json").read_text())
     offset, anchor = spec["logit_offset"], Anchor.from_dict(spec["anchor"])
     trees = convert(booster, "torch.jit", example.astype(np.float32),
@@ -124,6 +124,37 @@ def _lightgbm(folder: Path, example: np.ndarray, tree_implementation: str):
                                   "n_threads": torch.get_num_threads()}).model  # else all cores
     return (Probability(AnchoredLogit(trees, anchor), offset),
             LightGBM(booster, anchor, offset, {}).predict_proba)
+
+
+def float32_splits(booster):
+    """The booster with every numerical split's threshold t replaced by the largest float32 <= t.
+
+    For a float32 feature x (what the runtime computes), x <= t exactly when x <= that float32,
+    so the booster predicts as before on float32 features; hummingbird casts thresholds to
+    float32 by rounding to nearest, which sends an x just above t left where LightGBM sends it
+    right (a smoke run's val rows: raw scores off by up to 0.075).  With float32 thresholds the
+    two decide every split alike (off by float32 rounding of the sums, 1e-7)."""
+    import lightgbm as lgb
+
+    lines, threshold = booster.model_to_string().splitlines(), None
+    for i, line in enumerate(lines):
+        if line.startswith("threshold="):
+            threshold = i
+        elif line.startswith("decision_type=") and threshold is not None:
+            types = [int(v) for v in line.removeprefix("decision_type=").split()]
+            values = [float(v) for v in lines[threshold].removeprefix("threshold=").split()]
+            lines[threshold] = "threshold=" + " ".join(
+                repr(t if kind & 1 else _float32_at_most(t)) for t, kind in zip(values, types))
+            threshold = None  # bit 0 of a decision type: a categorical split, kept
+    kept = [line for line in lines if not line.startswith("tree_sizes=")]  # byte offsets
+    return lgb.Booster(model_str="\n".join(kept) + "\n")
+
+
+def _float32_at_most(t: float) -> float:
+    below = np.float32(t)
+    if float(below) > t:
+        below = np.nextafter(below, np.float32(-np.inf))
+    return float(below)
 
 
 def _mlp(folder: Path, example: np.ndarray, tree_implementation: str):

@@ -344,3 +344,29 @@ def test_where_nothing_pays_the_exported_rule_is_ar(exported, tmp_path, tiny_mod
     assert re.fullmatch(r"stop model: \w+ falls back to ar: no drafting policy beat ar in the "
                         r"replay on its cost curve \(its tree 0\.\d{3}x ar\); decoded without "
                         r"drafting", lines[-2]), lines[-2]
+
+
+def test_lightgbm_splits_decide_alike_in_float32():
+    """LightGBM splits at a double between two float32 feature values; hummingbird rounds it to
+    the nearest float32, which can be the upper value, and sends that value down the other
+    branch.  `float32_splits` rounds every threshold down instead: the booster predicts as
+    before on float32 features, and the converted trees agree with it."""
+    import lightgbm as lgb
+    from hummingbird.ml import convert
+
+    low = np.nextafter(np.float32(1.0), np.float32(2))  # odd mantissa: the midpoint above it
+    high = np.nextafter(low, np.float32(2))  # rounds to nearest (even) onto this one
+    X = np.array([[low]] * 50 + [[high]] * 50, dtype=np.float32)
+    booster = lgb.train({"objective": "binary", "num_leaves": 2, "min_data_in_leaf": 1,
+                         "min_data_in_bin": 1, "verbose": -1},
+                        lgb.Dataset(X, np.repeat([0, 1], 50)), num_boost_round=1)
+    rounded = scripted.float32_splits(booster)
+    assert np.array_equal(rounded.predict(X, raw_score=True), booster.predict(X, raw_score=True))
+
+    def converted_error(model) -> float:
+        trees = convert(model, "torch", X[:3]).model
+        return float(np.abs(trees(torch.tensor(X)).double().numpy().ravel()
+                            - model.predict(X, raw_score=True)).max())
+
+    assert converted_error(booster) > 0.1  # the mismatch, without the rounding
+    assert converted_error(rounded) < 1e-6
