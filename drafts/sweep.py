@@ -1,12 +1,12 @@
 """The draft sweep (stage `draft`): build, distil and compare drafts; the fastest is the default.
 
 1. The target answers the train prompts (mixed by source as `domains` says) at each corpus
-   temperature, and the val prompts greedily: `drafts.corpus`.
+   temperature, and the val and held-out prompts greedily: `drafts.corpus`.
 2. Each sweep entry (family x layers x vocabulary x fusion) is built from the target and
    distilled (`drafts.distill`, Lightning + MLflow, resumable); a finished draft folder is not
-   redone.
-3. Each draft is measured side by side with `ar` in the runtime dtype: greedy agreement alpha
-   on the held-out responses (per source, and on train responses beside it), step cost ratio
+   redone; its greedy agreement alpha is taken on the val responses per source, on as many
+   train responses and on the held-out sources' (another kind of request) per source.
+3. Each draft is measured side by side with `ar` in the runtime dtype: alpha, step cost ratio
    c, the `sd` speedup predicted from alpha, c and the measured verification cost, and the
    `sd` speedup and acceptance per drafted level measured at the best γ.
 4. The draft with the best measured speedup is copied to `out/default`; metrics/draft.json and
@@ -34,7 +34,7 @@ from specstop.decoder.costs import CostCurve, VerifyCosts, measure_verify_costs
 from specstop.decoder.load import cpu_has_bf16, load_model, resolve_device, resolve_dtype
 from specstop.decoder.loop import DecodeConfig
 from specstop.evaluation.side_by_side import bench
-from specstop.prompts.splits import read_split
+from specstop.prompts.splits import HELD_OUT, read_split
 
 from .corpus import RESPONSE, Sequence, build_corpus, corpus_timing, token_counts
 from .distill import DraftDistiller, fit, greedy_agreement, read_curve, resolve_precision
@@ -56,13 +56,17 @@ def run(cfg: DraftConfig, models: ModelsConfig, tracking: TrackingStore) -> dict
     check(tracking_uri(tracking.uri))  # before the corpus, not after
     val_prompts = draft_prompts(cfg.prompts, "val", cfg.max_prompts, None)
     train_prompts = draft_prompts(cfg.prompts, "draft", cfg.max_prompts, cfg.domains)
+    held_out = held_out_prompts(cfg.prompts)
     train_config = cfg.train.model_copy(
         update={"precision": resolve_precision(cfg.train.precision, device)})
     target = load_model(models.target, dtype, device, models.target_cache)
     layers = corpus_layers(cfg.sweep, target.model.config.num_hidden_layers)
-    train, val = _corpora(cfg, train_prompts["text"], val_prompts["text"], target, layers, out)
+    train, val, held = _corpora(cfg, train_prompts["text"], val_prompts["text"],
+                                held_out["text"], target, layers, out)
     counts = token_counts(train, target.model.config.vocab_size)
     del target
+    measured_on = {"alpha_by_domain": by_source(val, val_prompts["source"]),
+                   "alpha_heldout": by_source(held, held_out["source"])}
 
     for spec in cfg.sweep:
         folder = out / "sweep" / spec.name
@@ -75,7 +79,7 @@ def run(cfg: DraftConfig, models: ModelsConfig, tracking: TrackingStore) -> dict
         if resume_or_set_aside(folder, recipe, out / STALE, f"draft: {folder}") \
                 and read_meta(folder) is not None:
             continue  # finished with these settings
-        _distil(spec, models, device, counts, train, val, layers, val_prompts["source"],
+        _distil(spec, models, device, counts, train, val, layers, measured_on,
                 train_prompts["prompt_id"], folder, config, tracking, seed)
 
     results = {spec.name: _measure(spec, out / "sweep" / spec.name, cfg, models)
@@ -84,10 +88,11 @@ def run(cfg: DraftConfig, models: ModelsConfig, tracking: TrackingStore) -> dict
     _publish(out / "sweep" / winner, out / "default")
     best = results[winner]
     warning = _useless_draft_warning(best, train_config.precision)
-    corpus = _corpus_summary(out / "corpus", cfg.corpus.text.tokens > 0)
+    corpus = _corpus_summary(out / "corpus", cfg.corpus.text.tokens > 0, bool(held))
     write_json(cfg.metrics,
                {"alpha": best["alpha"], "alpha_by_domain": best["alpha_by_domain"],
-                "train_alpha": best["train_alpha"], "c": best["c"], "default": winner,
+                "alpha_heldout": best["alpha_heldout"], "train_alpha": best["train_alpha"],
+                "c": best["c"], "default": winner,
                 "sd_speedup": best["measured_speedup"], "sd_acceptance": best["sd_acceptance"],
                 "sd_acceptance_by_level": best["sd_acceptance_by_level"],
                 "gamma": best["best_gamma"], "corpus": corpus,
@@ -142,42 +147,61 @@ def draft_prompts(folder: Path, split: str, cap: int | None,
     return {k: [v[i] for i in sorted(keep)] for k, v in rows.items()}
 
 
+def held_out_prompts(folder: Path) -> dict[str, list[str]]:
+    """The `heldout` split's texts and sources (none where the prompts stage wrote no such file:
+    a folder from before it)."""
+    if not (Path(folder) / f"{HELD_OUT}.parquet").is_file():
+        return {"text": [], "source": []}
+    return read_split(folder, HELD_OUT, ("text", "source"))
+
+
+def by_source(sequences: list[Sequence], sources: list[str]) -> dict[str, list[Sequence]]:
+    """Responses grouped by their prompt's source (`sources[prompt_index]`), names sorted."""
+    return {name: [s for s in sequences if sources[s.prompt_index] == name]
+            for name in sorted(set(sources))}
+
+
 def corpus_layers(sweep: list[DraftSpec], num_layers: int) -> tuple[int, ...]:
     """The target's hidden-state layers the corpus keeps: the fused heads' and the last (-1)."""
     fused = fusion_layers(num_layers) if any(spec.fuse for spec in sweep) else ()
     return (*fused, *LAST_LAYER)
 
 
-def _corpora(cfg: DraftConfig, train_texts: list[str], val_texts: list[str], target,
-             layers: tuple[int, ...], out: Path) -> tuple[list[Sequence], list[Sequence]]:
+def _corpora(cfg: DraftConfig, train_texts: list[str], val_texts: list[str],
+             held_texts: list[str], target, layers: tuple[int, ...],
+             out: Path) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
     """Train responses (at every corpus temperature) and teacher-forced text (`text`, where
-    on), held-out val responses (greedy)."""
+    on); val and held-out responses (greedy; none without held-out prompts)."""
+    greedy = cfg.corpus.model_copy(update={"temperatures": [0.0]})
     val = build_corpus(target.model, target.tokenizer, val_texts, out / "corpus" / "val",
-                       cfg.corpus.model_copy(update={"temperatures": [0.0]}), layers, cfg.seed,
-                       "val responses", out / STALE)
+                       greedy, layers, cfg.seed, "val responses", out / STALE)
+    held = build_corpus(target.model, target.tokenizer, held_texts, out / "corpus" / HELD_OUT,
+                        greedy, layers, cfg.seed, "held-out responses", out / STALE) \
+        if held_texts else []
     train = build_corpus(target.model, target.tokenizer, train_texts, out / "corpus" / "train",
                          cfg.corpus, layers, cfg.seed, "train responses", out / STALE)
     text = cfg.corpus.text
     if text.tokens:
         train += build_text_corpus(target.model, target.tokenizer, text, cfg.corpus.top_k,
                                    out / "corpus" / "text", layers, cfg.seed, out / STALE)
-    return train, val
+    return train, val, held
 
 
-def _corpus_summary(folder: Path, text: bool) -> dict:
-    """Per corpus (train, val and the teacher-forced text where on): sequences, tokens and the
-    labelling's tokens/s (`corpus_timing`)."""
-    splits = ("train", "val", "text") if text else ("train", "val")
+def _corpus_summary(folder: Path, text: bool, held_out: bool) -> dict:
+    """Per corpus (train, val, and the held-out responses and teacher-forced text where there
+    are any): sequences, tokens and the labelling's tokens/s (`corpus_timing`)."""
+    splits = ("train", "val") + ((HELD_OUT,) if held_out else ()) + (("text",) if text else ())
     return {split: corpus_timing(folder / split) for split in splits}
 
 
 def _distil(spec: DraftSpec, models: ModelsConfig, device: torch.device, counts: torch.Tensor,
             train: list[Sequence], val: list[Sequence], layers: tuple[int, ...],
-            val_sources: list[str], trained_on: list[str], folder: Path,
-            config: DraftTrainConfig, tracking: TrackingStore, seed: int) -> None:
+            measured_on: dict[str, dict[str, list[Sequence]]], trained_on: list[str],
+            folder: Path, config: DraftTrainConfig, tracking: TrackingStore, seed: int) -> None:
     """Build one draft from an fp32 copy of the target, distil it, save the folder with its
-    val alpha per source, its alpha on (as many) greedy train responses and the ids of the
-    prompts it learned from (`store.check_held_out`)."""
+    alpha per group of `measured_on` (key -> source -> responses: val per source, held-out per
+    source), its alpha on (as many) greedy train responses and the ids of the prompts it
+    learned from (`store.check_held_out`)."""
     target = load_model(models.target, torch.float32, device, models.target_cache)
     eos = target.tokenizer.eos_token_id
     vocab_ids = None if not spec.vocab else most_frequent_tokens(
@@ -194,12 +218,12 @@ def _distil(spec: DraftSpec, models: ModelsConfig, device: torch.device, counts:
     start = time.perf_counter()
     metrics = fit(module, train, val, folder, logger)
     draft.eval()
-    by_domain = {name: greedy_agreement(
-        module, [s for s in val if val_sources[s.prompt_index] == name], config.batch_size)
-        for name in sorted(set(val_sources))}
+    alphas = {key: {name: greedy_agreement(module, sequences, config.batch_size)
+                    for name, sequences in groups.items()}
+              for key, groups in measured_on.items()}
     greedy_train = [s for s in train if s.source == RESPONSE and s.temperature == 0][: len(val)]
     info = {"name": spec.name, "layers": spec.layers, "train_metrics": metrics,
-            "alpha_by_domain": by_domain,
+            **alphas,
             "train_alpha": greedy_agreement(module, greedy_train, config.batch_size),
             "train_seconds_last_run": round(time.perf_counter() - start, 1),
             "train_sequences": len(train),
@@ -269,6 +293,7 @@ def _measure(spec: DraftSpec, folder: Path, cfg: DraftConfig, models: ModelsConf
     curve = read_curve(folder / "curve.csv")
     return {"name": spec.name, "family": spec.family, "layers": spec.layers, "vocab": spec.vocab or "full",
             "fuse": spec.fuse, "alpha": alpha, "alpha_by_domain": meta.get("alpha_by_domain"),
+            "alpha_heldout": meta.get("alpha_heldout"),
             "train_alpha": meta.get("train_alpha"), "c": c,
             "predicted_speedup": predicted[best_predicted],
             "predicted_gamma": best_predicted, "measured_speedup": measured[best_gamma],

@@ -12,14 +12,14 @@ from specstop.common.params import PromptsConfig
 
 from .self_written import Writer, read_self_written
 from .sources import SourceRequests, SourceSpec, parse_sources, read_source
-from .splits import (SPLITS, Prompt, check_fractions, interleave, split_prompts, summarise,
+from .splits import (WRITTEN, Prompt, check_fractions, interleave, split_prompts, summarise,
                      write_split, write_summary)
 
 
 def build_prompts(config: PromptsConfig, render: Callable[[str], str],
                   writer: Writer | None = None,
                   readers: dict[str, str] | None = None) -> dict[str, int]:
-    """Write `config.out`/{draft,train,val,test}.parquet; `render` turns a request into the text the
+    """Write `config.out`/{draft,train,val,test,heldout}.parquet; `render` turns a request into the text the
     target reads (its chat template), `writer` (the target) writes a magpie source's requests;
     a split in `readers` (split -> who reads it) must not be empty.  Returns the number of
     prompts, in all and per split."""
@@ -28,7 +28,7 @@ def build_prompts(config: PromptsConfig, render: Callable[[str], str],
     sources = [_read(spec, config, writer) for spec in specs]
     chosen = split_prompts(sources, fractions, config.seed)
     _check_not_empty(chosen, readers or {})
-    for split in SPLITS:
+    for split in WRITTEN:
         write_split([{"prompt_id": p.prompt_id, "source": p.source, "request": p.request,
                       "text": render(p.request), "split": split}
                      for p in _interleaved([p for p in chosen if p.split == split])],

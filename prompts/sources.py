@@ -26,7 +26,7 @@ ORIGINS = ("embedded", "path", "dataset")
 ORIGIN_NAMES = {"embedded": "embedded set", "path": "file", "dataset": "dataset"}
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "batch_size"}  # magpie only
 KEYS = {*ORIGINS, *SAMPLING_KEYS, "name", "field", "template", "max_prompts", "config", "split",
-        "data_files"}
+        "data_files", "held_out"}
 FILE_TYPES = (".json", ".jsonl", ".parquet")
 MAGPIE_PROMPTS = 200  # requests a magpie source writes where max_prompts is absent or null
 MAX_NEW_TOKENS = 1024  # the most a magpie request may be sampled to
@@ -58,6 +58,7 @@ class SourceSpec:
     split: str = "train"  # datasets: split
     data_files: Any = None  # datasets: data_files
     sampling: Sampling | None = None  # magpie: how the target writes the requests
+    held_out: bool = False  # every prompt in the `heldout` split, none in the others
 
     def describe(self) -> str:
         """How messages name the source: its file or dataset, and its field or template."""
@@ -116,12 +117,16 @@ def parse_source(raw: Any, index: int) -> SourceSpec:
     if extra and not magpie:
         raise SpecstopError(f"{where}: {extra[0]} is a key of `embedded: {MAGPIE}` only")
     max_prompts = _max_prompts(raw.get("max_prompts"), where)
+    held_out = raw.get("held_out", False)
+    if not isinstance(held_out, bool):
+        raise SpecstopError(f"{where}: held_out must be true or false, got {held_out!r}")
     return SourceSpec(
         name=str(raw.get("name") or (Path(location).stem if kind == "path" else location)),
         kind=kind, location=location, fields=fields, template=template,
         max_prompts=(max_prompts or MAGPIE_PROMPTS) if magpie else max_prompts,
         config=raw.get("config"), split=str(raw.get("split", "train")),
-        data_files=raw.get("data_files"), sampling=_sampling(raw, where) if magpie else None)
+        data_files=raw.get("data_files"), sampling=_sampling(raw, where) if magpie else None,
+        held_out=held_out)
 
 
 def _fields(raw: dict, where: str) -> tuple[tuple[str, ...], str | None]:

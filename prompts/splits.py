@@ -2,7 +2,8 @@
 
 The splits keep every learner on prompts of its own: `draft` teaches the draft (stage `draft`),
 `train` the decision models (stage `collect` logs them), `val` measures both, `test` is the
-bench's.  The decision models must not learn from rounds on prompts the draft was distilled on:
+bench's; `heldout` holds whole sources of another kind, which only measure the draft (does it
+generalise beyond the kinds of request it learned from?).  The decision models must not learn from rounds on prompts the draft was distilled on:
 it has learned their responses, and its acceptance there is not the one decoding meets
 (`specstop.drafts.store.check_held_out` refuses the overlap).
 
@@ -29,7 +30,9 @@ from specstop.common.files import write_atomic, write_json
 
 from .sources import SourceRequests
 
-SPLITS = ("draft", "train", "val", "test")
+SPLITS = ("draft", "train", "val", "test")  # cut from every source by `prompts.fractions`
+HELD_OUT = "heldout"  # the prompts of the `held_out` sources, whole: no learner sees their kind
+WRITTEN = (*SPLITS, HELD_OUT)  # the files of the stage
 SCHEMA = pa.schema([(name, pa.string())
                     for name in ("prompt_id", "source", "request", "text", "split")])
 DUPLICATE, OVER_CAP = "duplicate", "over max_prompts"
@@ -68,8 +71,8 @@ def check_fractions(fractions: dict) -> dict[str, float]:
 
 def split_prompts(sources: list[SourceRequests], fractions: dict[str, float],
                   seed: int) -> list[Prompt]:
-    """Every source's unique prompts (capped), each in one split; duplicates and prompts over
-    the cap are counted in the source's `skipped`."""
+    """Every source's unique prompts (capped), each in one split (a `held_out` source's all in
+    HELD_OUT); duplicates and prompts over the cap are counted in the source's `skipped`."""
     seen: set[str] = set()
     prompts = []
     for source in sources:
@@ -80,8 +83,9 @@ def split_prompts(sources: list[SourceRequests], fractions: dict[str, float],
         if cap is not None and len(order) > cap:
             source.skipped[OVER_CAP] += len(order) - cap
             order = order[:cap]
-        splits = [split for split, count in zip(SPLITS, split_counts(len(order), fractions))
-                  for _ in range(count)]
+        splits = [HELD_OUT] * len(order) if source.spec.held_out else \
+            [split for split, count in zip(SPLITS, split_counts(len(order), fractions))
+             for _ in range(count)]
         prompts += [Prompt(pid, source.spec.name, new[pid], split)
                     for pid, split in zip(order, splits)]
     return prompts
@@ -145,18 +149,20 @@ def write_summary(summary: dict, path: Path) -> None:
 
 def summarise(sources: list[SourceRequests], prompts: list[Prompt], seed: int,
               fractions: dict[str, float]) -> dict:
-    """Counts per source and split, and rows skipped by reason."""
+    """Counts per split and per source (a held-out source's in `heldout` alone), and rows
+    skipped by reason."""
     per_source = Counter((p.source, p.split) for p in prompts)
     return {
         "seed": seed,
         "fractions": fractions,
-        "splits": {split: sum(p.split == split for p in prompts) for split in SPLITS},
+        "splits": {split: sum(p.split == split for p in prompts) for split in WRITTEN},
         "sources": {
             s.spec.name: {
                 "origin": s.spec.describe(),
                 "rows": s.rows,
-                "prompts": sum(per_source[s.spec.name, split] for split in SPLITS),
-                "splits": {split: per_source[s.spec.name, split] for split in SPLITS},
+                "prompts": sum(per_source[s.spec.name, split] for split in WRITTEN),
+                "splits": {split: per_source[s.spec.name, split]
+                           for split in ((HELD_OUT,) if s.spec.held_out else SPLITS)},
                 "skipped": dict(sorted(s.skipped.items())),
             } for s in sources},
     }

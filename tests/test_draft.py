@@ -23,7 +23,8 @@ from specstop.drafts.corpus import Sequence, token_counts
 from specstop.common.params import DraftSpec, DraftTrainConfig
 from specstop.drafts.distill import (DraftDistiller, EpochBatches, collate, fit, lr_factor,
                                      read_curve, resolve_precision)
-from specstop.drafts.sweep import acceptance_by_level, corpus_layers
+from specstop.drafts.sweep import acceptance_by_level, by_source, corpus_layers, held_out_prompts
+from specstop.prompts.splits import write_split
 
 from conftest import tiny_llama
 
@@ -307,6 +308,23 @@ def _epoch_batches(corpus: list[Sequence], size: int, epoch: int) -> list[list[S
     sampler = EpochBatches(len(corpus), size, seed=0)
     sampler.epoch = epoch
     return [[corpus[i] for i in batch] for batch in sampler]
+
+
+def test_held_out_responses_are_grouped_by_source_and_absent_without_the_split(tmp_path: Path):
+    assert held_out_prompts(tmp_path) == {"text": [], "source": []}  # an older prompts folder
+    write_split([{"prompt_id": str(i), "source": name, "request": f"r{i}", "text": f"t{i}",
+                  "split": "heldout"} for i, name in enumerate(["tasks", "quiz", "tasks"])],
+                tmp_path / "heldout.parquet")
+    held = held_out_prompts(tmp_path)
+    assert held == {"text": ["t0", "t1", "t2"], "source": ["tasks", "quiz", "tasks"]}
+    sequences = [Sequence(torch.zeros(3, dtype=torch.long), 1, torch.zeros(3, 1, 2),
+                          torch.zeros(3, 1, dtype=torch.int32), torch.ones(3, 1), i, 0.0)
+                 for i in (2, 0, 1)]
+    groups = by_source(sequences, held["source"])
+    assert list(groups) == ["quiz", "tasks"]
+    assert [s.prompt_index for s in groups["tasks"]] == [2, 0]
+    assert [s.prompt_index for s in groups["quiz"]] == [1]
+    assert by_source([], []) == {}
 
 
 def test_acceptance_by_level_is_conditional_on_the_level_above():

@@ -56,6 +56,8 @@ def test_repro_ends_with_stop_model_metrics_plots_and_runs(smoke: Path):
     draft = json.loads((smoke / "metrics/draft.json").read_text())
     assert 0 < draft["alpha"] <= 1 and draft["c"] > 0
     assert {"sd_speedup", "sd_acceptance", "precision", "dtype", "warning"} <= set(draft)
+    assert set(draft["alpha_heldout"]) == {"tasks"}  # the held-out source, measured apart
+    assert 0 <= draft["alpha_heldout"]["tasks"] <= 1 and draft["corpus"]["heldout"]["shards"]
     if not torch.cuda.is_available():  # trained on this CPU: its bf16 support decides
         assert draft["precision"] == ("bf16-mixed" if draft["cpu_native_bf16"] else "32-true")
     assert (draft["warning"] is None) == (draft["sd_speedup"] >= 1.0)

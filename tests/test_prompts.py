@@ -257,6 +257,25 @@ def run_cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=300)
 
 
+def test_a_held_out_source_goes_whole_to_the_heldout_split():
+    """A `held_out` source is none of the learners' (draft, train, val, test): all of its
+    prompts, capped, are in `heldout`; a duplicate of an earlier source stays with it."""
+    kept = requests_source("main", [f"Question {i}?" for i in range(20)])
+    spec = parse_source({"path": "other.json", "field": "q", "held_out": True,
+                         "max_prompts": 4}, 1)
+    other = SourceRequests(spec, 7, ["Question 3?"] + [f"Task {i}." for i in range(6)])
+    prompts = split_prompts([kept, other], FRACTIONS, seed=0)
+    held = [p for p in prompts if p.split == prompt_splits.HELD_OUT]
+    assert len(held) == 4 and {p.source for p in held} == {"other"}
+    assert {p.split for p in prompts if p.source == "main"} <= set(SPLITS)
+    assert other.skipped == {"duplicate": 1, "over max_prompts": 2}
+    summary = prompt_splits.summarise([kept, other], prompts, 0, FRACTIONS)
+    assert summary["sources"]["other"]["splits"] == {"heldout": 4}
+    assert summary["splits"]["heldout"] == 4 and sum(summary["splits"].values()) == 24
+    with pytest.raises(SpecstopError, match=r"prompts.sources\[0\]: held_out must be true or "):
+        parse_source({"path": "x.json", "field": "q", "held_out": "yes"}, 0)
+
+
 def test_cli_prompts_end_to_end(tmp_path: Path, embedded_dir: Path):
     write_records(tmp_path / "local.jsonl", [{"q": f"Local question {i}?"} for i in range(20)]
                   + [{"q": ""}, {"q": "Local question 0?"}])
@@ -284,9 +303,10 @@ def test_cli_prompts_end_to_end(tmp_path: Path, embedded_dir: Path):
     assert summary["sources"]["local"]["skipped"] == {"duplicate": 1, "empty field 'q'": 1}
     assert summary["sources"]["humaneval"]["prompts"] == 164
     assert sum(summary["splits"].values()) == 184
-    assert sorted(p.name for p in out.iterdir()) == ["draft.parquet", "summary.json",
-                                                     "test.parquet", "train.parquet",
-                                                     "val.parquet"]
+    assert sorted(p.name for p in out.iterdir()) == ["draft.parquet", "heldout.parquet",
+                                                     "summary.json", "test.parquet",
+                                                     "train.parquet", "val.parquet"]
+    assert pq.read_table(out / "heldout.parquet").num_rows == 0  # no held-out source
 
     params["prompts"]["sources"][0]["path"] = "absent.jsonl"
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))

@@ -234,7 +234,9 @@ def test_params_files_check_magpie_sources_and_the_profiles_parse():
                               "integer or null")
     raw = read_params_file(ROOT / "params.yaml")
     default = parse_sources(raw["prompts"]["sources"])
-    assert [(s.name, s.max_prompts) for s in default] == [("humaneval", None), ("magpie", 160)]
+    assert [(s.name, s.max_prompts, s.held_out) for s in default] == \
+        [("humaneval", None, False), ("magpie", 160, False), ("tasks", None, True)]
     smoke = parse_sources(apply_profile(raw, "smoke")["prompts"]["sources"])
-    assert [(s.name, s.max_prompts) for s in smoke] == [("humaneval", 40), ("magpie", 12)]
+    assert [(s.name, s.max_prompts, s.held_out) for s in smoke] == \
+        [("humaneval", 40, False), ("magpie", 12, False), ("tasks", 3, True)]
     assert smoke[1].sampling.max_new_tokens == 48
