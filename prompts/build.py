@@ -19,10 +19,10 @@ from .splits import (WRITTEN, Prompt, check_fractions, interleave, split_prompts
 def build_prompts(config: PromptsConfig, render: Callable[[str], str],
                   writer: Writer | None = None,
                   readers: dict[str, str] | None = None) -> dict[str, int]:
-    """Write `config.out`/{draft,train,val,test,heldout}.parquet; `render` turns a request into the text the
-    target reads (its chat template), `writer` (the target) writes a magpie source's requests;
-    a split in `readers` (split -> who reads it) must not be empty.  Returns the number of
-    prompts, in all and per split."""
+    """Write `config.out`/{draft,train,val,test,heldout}.parquet; `render` turns a request into
+    the text the target reads (its chat template), `writer` (the target) writes a magpie
+    source's requests; a split in `readers` (split -> who reads it) must not be empty.
+    Returns the number of prompts, in all and per split."""
     specs = parse_sources(config.sources)
     fractions = check_fractions(config.fractions)
     sources = [_read(spec, config, writer) for spec in specs]

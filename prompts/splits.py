@@ -3,9 +3,10 @@
 The splits keep every learner on prompts of its own: `draft` teaches the draft (stage `draft`),
 `train` the decision models (stage `collect` logs them), `val` measures both, `test` is the
 bench's; `heldout` holds whole sources of another kind, which only measure the draft (does it
-generalise beyond the kinds of request it learned from?).  The decision models must not learn from rounds on prompts the draft was distilled on:
-it has learned their responses, and its acceptance there is not the one decoding meets
-(`specstop.drafts.store.check_held_out` refuses the overlap).
+generalise beyond the kinds of request it learned from?).  The decision models must not learn
+from rounds on prompts the draft was distilled on: it has learned their responses, and its
+acceptance there is not the one decoding meets (`specstop.drafts.store.check_held_out`
+refuses the overlap).
 
 A prompt's id is a hash of its normalised request text, so it does not change when sources are
 added; two requests with the same normalised text are one prompt (the first source keeps it).
