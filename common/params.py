@@ -181,6 +181,7 @@ class DraftTrainConfig(Section):
     max_minutes: PosFloat = 4.0
     max_epochs: PosInt = 20
     batch_size: PosInt = 8
+    group_by_length: bool = True  # batches of sequences of similar length (less padding)
     lr: PosFloat = 1e-3
     weight_decay: NonNegFloat = 0.0
     warmup_steps: NonNegInt = 30

@@ -219,10 +219,13 @@ def corpus_timing(folder: Path) -> dict:
 
 
 def token_counts(sequences: list[Sequence], vocab: int) -> torch.Tensor:
-    """How often the target emitted each token in the responses (for vocabulary pruning;
-    teacher-forced text is not counted)."""
-    counts = torch.zeros(vocab, dtype=torch.long)
+    """The teacher's probability mass on each token summed over the responses' positions (its
+    top-k at each position that predicts a response token): how often the target would emit
+    the token there at temperature 1, the tail beyond its top-k aside.  For vocabulary pruning;
+    teacher-forced text is not counted."""
+    counts = torch.zeros(vocab, dtype=torch.float64)
     for s in (s for s in sequences if s.source == RESPONSE):
-        counts += torch.bincount(s.ids[s.prompt_len:], minlength=vocab)[:vocab]
-        counts += torch.bincount(s.top_ids[s.prompt_len - 1:, 0].long(), minlength=vocab)[:vocab]
+        taught = slice(s.prompt_len - 1, None)
+        counts.index_add_(0, s.top_ids[taught].long().flatten(),
+                          s.top_probs[taught].double().flatten())
     return counts

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, Sampler
+from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from specstop.common.params import DraftTrainConfig
 from specstop.decoder.load import native_bf16, resolve_device  # accelerator="auto"
@@ -209,10 +210,14 @@ def collate(sequences: list[Sequence]) -> dict:
 
 class EpochBatches(Sampler[list[int]]):
     """Batches of a permutation drawn per epoch from (seed, epoch) alone, from the position
-    (`epoch`, `trained` batches of it) on: a resumed run continues the epoch's order."""
+    (`epoch`, `trained` batches of it) on: a resumed run continues the epoch's order.  Given
+    the sequences' `lengths`, each batch holds sequences of similar length (transformers'
+    length-grouped order: shuffled, sorted within mega-batches of 50 batches at most), in a
+    shuffled order of batches, so a batch pads little."""
 
-    def __init__(self, size: int, batch_size: int, seed: int) -> None:
-        self.size, self.batch_size, self.seed = size, batch_size, seed
+    def __init__(self, size: int, batch_size: int, seed: int,
+                 lengths: list[int] | None = None) -> None:
+        self.size, self.batch_size, self.seed, self.lengths = size, batch_size, seed, lengths
         self.epoch, self.trained = 0, 0
 
     def advance(self, trained: int) -> None:
@@ -222,8 +227,13 @@ class EpochBatches(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        order = torch.randperm(self.size, generator=generator).tolist()
+        if self.lengths is None:
+            order = torch.randperm(self.size, generator=generator).tolist()
+        else:
+            order = get_length_grouped_indices(self.lengths, self.batch_size, generator=generator)
         batches = [order[i:i + self.batch_size] for i in range(0, self.size, self.batch_size)]
+        if self.lengths is not None:
+            batches = [batches[i] for i in torch.randperm(len(batches), generator=generator)]
         return iter(batches[self.trained:])
 
     def __len__(self) -> int:
@@ -318,7 +328,8 @@ def fit(module: DraftDistiller, train: list[Sequence], val: list[Sequence], fold
     pl.seed_everything(config.seed, verbose=False)
     ckpt_dir = Path(folder) / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    batches = EpochBatches(len(train), config.batch_size, config.seed)
+    lengths = [s.ids.shape[0] for s in train] if config.group_by_length else None
+    batches = EpochBatches(len(train), config.batch_size, config.seed, lengths)
     loader = ResumableLoader(train, batch_sampler=batches, collate_fn=collate,
                              generator=torch.Generator())  # iter() leaves the global RNG alone
     val_loader = DataLoader(val, batch_size=config.batch_size, collate_fn=collate)

@@ -9,8 +9,9 @@
    normed, concatenated and projected to one feature; deeper levels read its own predictions
    either way.
 
-A pruned vocabulary holds the N tokens the target emits most often; the draft gives every other
-token probability 0, which keeps verification exact (the target scores the full vocabulary).
+A pruned vocabulary holds the N tokens the target gives the most probability over its
+responses (`drafts.corpus.token_counts`); the draft gives every other token probability 0,
+which keeps verification exact (the target scores the full vocabulary).
 Saving and loading the folders: `specstop.drafts.store`.
 """
 
@@ -151,7 +152,8 @@ def mask_vocabulary(model: nn.Module, vocab_ids: torch.Tensor) -> nn.Module:
 
 
 def most_frequent_tokens(counts: torch.Tensor, size: int, always: list[int]) -> torch.Tensor:
-    """The `size` most frequent token ids (ascending), always including `always` (e.g. EOS)."""
+    """The `size` token ids of the highest counts (ascending), always including `always`
+    (e.g. EOS)."""
     if size <= 0 or size >= counts.shape[0]:
         return torch.arange(counts.shape[0])
     counts = counts.double().clone()

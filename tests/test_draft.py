@@ -237,12 +237,16 @@ def test_one_training_step_lowers_the_loss(target, family):
     assert float(after) < float(before.detach())
 
 
-def test_token_counts_cover_responses_and_teacher_choices(target):
+def test_token_counts_are_the_teachers_mass_over_the_responses(target):
     corpus = fake_corpus(target, 3, seed=2)
     counts = token_counts(corpus, VOCAB)
-    expected = sum(s.ids.shape[0] - s.prompt_len + s.ids.shape[0] - s.prompt_len + 1
-                   for s in corpus)
-    assert int(counts.sum()) == expected
+    expected = torch.zeros(VOCAB, dtype=torch.float64)
+    for s in corpus:
+        for position in range(s.prompt_len - 1, s.ids.shape[0]):  # the prompt's last predicts
+            for token, p in zip(s.top_ids[position].tolist(), s.top_probs[position].tolist()):
+                expected[token] += p
+    assert torch.allclose(counts, expected)
+    assert (counts > 0).sum() > len({t for s in corpus for t in s.top_ids[:, 0].tolist()})
     text = [Sequence(**{**s.__dict__, "source": "code"}) for s in fake_corpus(target, 2, 3)]
     assert torch.equal(token_counts(corpus + text, VOCAB), counts)  # responses only
 
@@ -305,9 +309,31 @@ def test_the_decay_follows_whichever_budget_ends_the_run(target, tmp_path: Path,
 
 
 def _epoch_batches(corpus: list[Sequence], size: int, epoch: int) -> list[list[Sequence]]:
-    sampler = EpochBatches(len(corpus), size, seed=0)
+    """The batches `fit` trains on in `epoch` (grouped by length, the default)."""
+    sampler = EpochBatches(len(corpus), size, seed=0, lengths=[s.ids.shape[0] for s in corpus])
     sampler.epoch = epoch
     return [[corpus[i] for i in batch] for batch in sampler]
+
+
+def test_length_grouped_batches_pad_less_and_resume_alike():
+    """Grouped by length, an epoch is still a permutation of its own (drawn from seed and epoch
+    alone, so a resumed run continues it), and its batches pad far less than random ones."""
+    lengths = torch.randint(20, 400, (203,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def epoch(grouped: bool, number: int, trained: int = 0) -> list[list[int]]:
+        sampler = EpochBatches(len(lengths), 8, seed=1, lengths=lengths if grouped else None)
+        sampler.epoch, sampler.trained = number, trained
+        return list(sampler)
+
+    def padded(batches: list[list[int]]) -> float:
+        return sum(max(lengths[i] for i in b) * len(b) for b in batches) / sum(lengths)
+
+    grouped = [epoch(True, number) for number in range(3)]
+    assert all(sorted(sum(batches, [])) == list(range(len(lengths))) for batches in grouped)
+    assert sorted(map(len, grouped[0])) == [3] + [8] * 25
+    assert len({str(batches) for batches in grouped}) == 3
+    assert epoch(True, 2, trained=5) == grouped[2][5:]
+    assert padded(grouped[0]) < 1.25 < 1.5 < padded(epoch(False, 0))
 
 
 def test_held_out_responses_are_grouped_by_source_and_absent_without_the_split(tmp_path: Path):
