@@ -317,8 +317,10 @@ def claims(metrics: dict) -> list[str]:
              f"{_ci(s['winner_vs_best_static'])}; vs ar {_ci(s['winner_vs_ar'])}; "
              f"vs sd {_ci(s['winner_vs_sd'])}"]
     if s["hf_assisted_best"] is not None:
-        lines.append(f"vs transformers ({s['hf_assisted_best']}, same draft as the sd row): "
-                     f"exported policy {_ci(s['winner_vs_hf_assisted'])}, specstop sd "
+        peers = metrics["setup"]["peers"]
+        lines.append(f"vs transformers ({s['hf_assisted_best']}, draft {peers['draft']}): "
+                     f"exported policy {_ci(s['winner_vs_hf_assisted'])}, specstop "
+                     f"{peers['same_draft_sd']} on the same draft "
                      f"{_ci(s['sd_vs_hf_assisted_same_draft'])}")
     lookup = s.get("lookup") or {}
     if lookup.get("tree_with_vs_without") is not None:
