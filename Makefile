@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install repro smoke test gpu-check clean
+.PHONY: install repro repro-avx2 smoke test gpu-check clean
 
 install: $(STAMP)
 
@@ -19,6 +19,11 @@ $(STAMP): pyproject.toml
 
 repro: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" dvc repro
+
+# the same run with this CPU seen as AVX2-only (scripts/as_avx2.sh: kernels capped at AVX2,
+# no avx512/amx flags, so fp32): an AVX2 host's defaults and budget, where none is at hand
+repro-avx2: install
+	bash scripts/as_avx2.sh $(MAKE) repro
 
 # the whole DAG on params.yaml's `smoke` profile, in a copy of the project (build/smoke)
 smoke: install

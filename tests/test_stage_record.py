@@ -5,6 +5,8 @@ other profiles of this project's params.yaml."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -85,3 +87,19 @@ def test_the_gpu_profile_is_a_cuda_run_of_a_hub_target():
     gpu = validate(apply_profile(read_params_file(ROOT / "params.yaml"), "gpu"))
     assert gpu.models.device == "cuda" and "/" in gpu.models.target
     assert gpu.bench.methods is None and gpu.collect.max_new_tokens >= 256
+
+
+def test_as_avx2_shows_an_avx2_only_cpu_to_the_command():
+    """scripts/as_avx2.sh (`make repro-avx2`): the flags the defaults read lose avx512/amx, so
+    `dtype: auto` is fp32, and torch's kernels are capped at AVX2."""
+    if "avx2" not in load.CPUINFO.read_text():
+        pytest.skip("this CPU has no AVX2")
+    probe = ("import torch; from specstop.decoder.load import cpu_has_bf16, resolve_dtype; "
+             "print(torch.backends.cpu.get_cpu_capability(), cpu_has_bf16(), "
+             "resolve_dtype('auto', torch.device('cpu')))")
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "as_avx2.sh"), sys.executable, "-c",
+                          probe], capture_output=True, text=True, timeout=120)
+    if run.returncode != 0 and ("unshare" in run.stderr or "mount" in run.stderr):
+        pytest.skip(f"no mount namespace here: {run.stderr.strip()[:120]}")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["AVX2", "False", "torch.float32"]
