@@ -230,8 +230,8 @@ def _decision_seconds(vocab: int, width: int, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        features = draft_features(q, tokens, 1, torch.zeros(width), ones, ones,
-                                  RoundContext(0, 0, 0.0, 0.0, root_statistics(q[0])))
+        features = draft_features(q, tokens, 1, torch.zeros(width), ones, ones, ones,
+                                  RoundContext(0, 0, 0.0, 0.0, root_statistics(q[0]), (0,)))
         bool(policy(features).any())
         times.append(time.perf_counter() - start)
     return statistics.median(times)

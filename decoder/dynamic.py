@@ -38,6 +38,7 @@ from .tree import Tree
 from .tree_rule import TreeRule, children, verify_set
 
 PATH_CONFIDENCE = feature_index("path_confidence")
+LOOKUP_AGREES = feature_index("lookup_agrees")
 
 
 def propose_tree(
@@ -73,8 +74,8 @@ def propose_tree(
         kids, n = _rows(candidates.flatten(), kept), candidates.numel()
         start = time.perf_counter()  # a decision: the candidates' features, p-hat, the rule
         features = _rows(draft_features(q, candidates, depth + 1, candidates.new_zeros(n),
-                                        r[root].expand(n), drafted.confidence[rows], context),
-                         kept)
+                                        r[root].expand(n), drafted.confidence[rows],
+                                        drafted.on_chain[rows], context), kept)
         p_hat = policy.probabilities(features).double().cpu().numpy()
         survival = drafted.survival[frontier][parent] * p_hat
         nodes = len(drafted.parent) + len(slots)  # the tree's nodes once these are added
@@ -167,15 +168,17 @@ def _rows(values: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
 class DraftedTree:
     """The drafted tree S of one round as it grows, one level per draft step (node 0 the root).
 
-    Per node [n]: `tokens`, `confidence` (the draft's path confidence), `parent` (-1 for the
-    root), `rank` among siblings, `survival`, `fed` (index in F, -1 if not fed); F's own
-    `fed_parent` [|F|]; per draft step, the fed nodes' draft distributions q [m, V] (F order)
+    Per node [n]: `tokens`, `confidence` (the draft's path confidence), `on_chain` (1 where
+    its branch is the lookup chain's prefix: `lookup_agrees`), `parent` (-1 for the root),
+    `rank` among siblings, `survival`, `fed` (index in F, -1 if not fed); F's own `fed_parent`
+    [|F|]; per draft step, the fed nodes' draft distributions q [m, V] (F order)
     and the candidates' features [m * k, F].
     """
 
     def __init__(self, root: torch.Tensor) -> None:
         self.tokens = root
         self.confidence = torch.ones(1, device=root.device)
+        self.on_chain = torch.ones(1, device=root.device)
         self.parent = np.array([-1])
         self.rank = np.zeros(1, dtype=np.int64)
         self.survival = np.ones(1)
@@ -203,6 +206,7 @@ class DraftedTree:
         self.survival = np.concatenate([self.survival, survival])
         self.tokens = torch.cat([self.tokens, kids])
         self.confidence = torch.cat([self.confidence, features[:, PATH_CONFIDENCE]])
+        self.on_chain = torch.cat([self.on_chain, features[:, LOOKUP_AGREES]])
         self.q.append(q)
         self.features.append(features)
         return first + np.flatnonzero(expand)

@@ -171,10 +171,11 @@ def generate(
     with_features = drafter is not None and (method.reads_features or hook is not None
                                              or policy.reads_features)
     stats, out, start = DecodeStats(), [], time.perf_counter()
-    lookup = Lookup(prompt.tolist(), config.lookup_ngram) \
-        if method.looks_up or config.lookup_branch else None
-    if lookup is not None and hook is not None:
+    proposes_lookup = method.looks_up or config.lookup_branch
+    if proposes_lookup and hook is not None:
         raise ValueError("a lookup proposal has no draft features for the hook")
+    lookup = Lookup(prompt.tolist(), config.lookup_ngram) \
+        if proposes_lookup or with_features else None  # the features read its chain too
     root_emitted = 0 if config.lossy else 1  # emitted whatever is accepted (exact), or not
     # 0. Prefill: both caches take the prompt; r is the target's next-token distribution.
     target.reserve(prompt.shape[0] + config.max_new_tokens + tree.size(tree.max_depth))
@@ -188,13 +189,14 @@ def generate(
         if emitted >= config.max_new_tokens:  # the root alone fills the budget
             out.extend(roots[:root_emitted].tolist())
             break
-        if lookup is not None:  # the text a lookup reads holds the root
+        root_committed = lookup is not None and roots.shape[0] == 1
+        if root_committed:  # the text a lookup reads holds the root
             lookup.extend(roots.tolist())
         # 2. Propose below the roots as deep as the depth cap and the budget (one token per
         # level) allow; a round the gate keeps from drafting drafts nothing (`propose_gated`).
         levels = min(depth_cap, config.max_new_tokens - emitted - 1 + root_emitted)
-        context = RoundContext(emitted, stats.last_accepted, stats.acceptance_rate,
-                               stats.accepted_ema, root_statistics(r)) if with_features else None
+        context = round_context(stats, emitted, r, lookup if root_committed else None,
+                                levels) if with_features else None
         gated = gate is not None and not gate.drafts(context, r[roots])
         round_ = Round(roots, r, target.length, levels, context)
         round_tree, proposal, decision_seconds = \
@@ -212,8 +214,8 @@ def generate(
         # 5. Commit the accepted path to both caches and emit it, root first.
         commit(target, drafter, proposal, scores, verdict)
         out.extend(verdict.path_tokens)
-        if lookup is not None:  # its root is in already
-            lookup.extend(verdict.path_tokens[1:])
+        if lookup is not None:
+            lookup.extend(verdict.path_tokens[1:] if root_committed else verdict.path_tokens)
         stats.add_round(proposal, round_tree.size(proposal.depth) - round_tree.roots,
                         len(verdict.path) - 1, decision_seconds, gated)
         if hook is not None and proposal.depth > 0:
@@ -226,6 +228,18 @@ def generate(
     stats.new_tokens = len(out)
     stats.seconds = time.perf_counter() - start
     return Generation(out, stats)
+
+
+def round_context(stats: DecodeStats, emitted: int, r: torch.Tensor, lookup: Lookup | None,
+                  levels: int) -> RoundContext:
+    """What every drafted token of the round shares: the history, the target's root
+    distribution r and the lookup chain below the root (committed to `lookup`; None: no
+    chain), at most `levels` long."""
+    match = lookup.match(levels) if lookup is not None else None
+    chain = {} if match is None else {"chain": tuple(match.tokens), "lookup_ngram": match.ngram,
+                                      "lookup_recent": match.recent}
+    return RoundContext(emitted, stats.last_accepted, stats.acceptance_rate, stats.accepted_ema,
+                        root_statistics(r), **chain)
 
 
 def prefill(

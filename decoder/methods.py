@@ -42,6 +42,7 @@ from .tree import Tree
 MAX_DEPTH = 64
 MAX_TREE_NODES = 4096
 PATH_CONFIDENCE = feature_index("path_confidence")
+LOOKUP_AGREES = feature_index("lookup_agrees")
 
 
 @dataclass(frozen=True)
@@ -291,7 +292,7 @@ def propose(
     drafts `round.levels` (its `max_levels` are in the depth cap)."""
     roots, r = round.roots, round.r
     tokens, q_rows, feature_rows, decision_seconds = roots, [], [], 0.0
-    confidence = torch.ones(tree.roots, device=r.device)
+    confidence = on_chain = torch.ones(tree.roots, device=r.device)
     for depth in range(round.levels):
         logits = drafter.step(tree, depth, tokens[tree.level(depth)], round.root_position)
         q = warp(logits, config.sampling)  # [n_depth, V]
@@ -304,8 +305,8 @@ def propose(
         level = tree.level(depth + 1)
         roots_of_kids = tree.root[level]  # also their rank among the roots
         features = draft_features(q, kids, depth + 1, roots_of_kids, r[roots][roots_of_kids],
-                                  confidence, round.context)
-        confidence = features[:, PATH_CONFIDENCE]
+                                  confidence, on_chain, round.context)
+        confidence, on_chain = features[:, PATH_CONFIDENCE], features[:, LOOKUP_AGREES]
         feature_rows.append(features)
         if policy.reads_features:
             start = time.perf_counter()

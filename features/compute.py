@@ -19,14 +19,22 @@ class RoundContext:
     running_acceptance: float
     accepted_ema: float
     root: torch.Tensor  # [2] entropy and top-1 - top-2 margin of the target's root distribution
+    chain: tuple[int, ...] = ()  # the prompt-lookup chain below the root (`decoder.lookup`)
+    lookup_ngram: int = 0  # the n-gram length it was matched on (0: none)
+    lookup_recent: float = 0.0  # `Lookup.recent` then
+
+    @cached_property
+    def host_values(self) -> torch.Tensor:
+        """[6] float32 the history's four values, then the chain's n-gram length and the
+        lookup's recent accuracy, on the root statistics' device (one copy a round)."""
+        return torch.tensor([self.tokens_generated, self.prev_accepted, self.running_acceptance,
+                             self.accepted_ema, self.lookup_ngram, self.lookup_recent],
+                            dtype=torch.float32, device=self.root.device)
 
     @cached_property
     def scalars(self) -> torch.Tensor:
-        """[6] float32 the values above on the root statistics' device (one copy a round)."""
-        counts = torch.tensor([self.tokens_generated, self.prev_accepted,
-                               self.running_acceptance, self.accepted_ema],
-                              dtype=torch.float32, device=self.root.device)
-        return torch.cat([counts, self.root.float()])
+        """[6] float32 the history's four values and the root statistics (on their device)."""
+        return torch.cat([self.host_values[:4], self.root.float()])
 
 
 def root_statistics(r: torch.Tensor) -> torch.Tensor:
@@ -45,7 +53,8 @@ def draft_features(
     root_rank: torch.Tensor,  # [m * k] rank of each new token's root
     root_target_prob: torch.Tensor,  # [m * k] target probability of each new token's root
     parent_confidence: torch.Tensor,  # [m] path confidence of each parent (1 at the root)
-    context: RoundContext,
+    parent_on_chain: torch.Tensor,  # [m] 1 where each parent's branch is the chain's prefix
+    context: RoundContext,          # (1 at the root)
 ) -> torch.Tensor:
     """Features [m * k, F] float32 of the new tokens, in tree (level-major) order."""
     m, k = tokens.shape
@@ -60,6 +69,11 @@ def draft_features(
     )  # [m, 14]
     n = m * k
     scalars = context.scalars.to(q.device).expand(n, 6)
+    if depth <= len(context.chain):  # the chain has a token at this level: below which parents
+        reaches = parent_on_chain.float().to(q.device)[:, None]
+        agrees = reaches * (tokens == context.chain[depth - 1]).float()  # [m, k]
+    else:
+        reaches, agrees = q.new_zeros(m, 1), q.new_zeros(m, k)
     features = torch.cat(
         [
             q_token.reshape(n, 1),
@@ -70,6 +84,9 @@ def draft_features(
             root_target_prob.to(q.device).float()[:, None],
             (parent_confidence.float()[:, None] * q_token).reshape(n, 1),
             scalars,
+            agrees.reshape(n, 1),
+            (reaches - agrees).reshape(n, 1),
+            context.host_values[4:].to(q.device).expand(n, 2),
         ],
         dim=1,
     )

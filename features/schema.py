@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 TOP_K = 10
 
 
@@ -41,6 +41,15 @@ FEATURES: tuple[Feature, ...] = (
             "was drawn from (nats; known before drafting)"),
     Feature("root_margin", "float32", "top-1 minus top-2 probability of that target "
             "distribution"),
+    Feature("lookup_agrees", "float32", "1 where the branch below the root, this token "
+            "included, is the prefix of the round's prompt-lookup chain (the tokens that followed "
+            "the text's last n-gram where it occurred before)"),
+    Feature("lookup_disagrees", "float32", "1 where the branch above this token is the chain's "
+            "prefix and the chain goes on with another token"),
+    Feature("lookup_ngram", "float32", "n-gram length the round's chain was matched on (0: no "
+            "chain)"),
+    Feature("lookup_recent", "float32", "how often the lookup's next-token guess was right over "
+            "the recent text (EMA)"),
 )
 
 
@@ -50,6 +59,7 @@ FEATURE_GROUPS: dict[str, tuple[str, ...]] = {  # what each kind of signal is (a
     "tree_position": ("depth", "sibling_rank", "root_rank", "path_confidence"),
     "history": ("tokens_generated", "prev_accepted", "running_acceptance", "accepted_ema"),
     "target_root": ("root_target_prob", "root_entropy", "root_margin"),
+    "lookup": ("lookup_agrees", "lookup_disagrees", "lookup_ngram", "lookup_recent"),
 }
 
 

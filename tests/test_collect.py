@@ -316,3 +316,39 @@ def test_lookup_rows_label_each_chain_by_the_targets_argmax():
         # the runtime's last root may fill the budget without a pass of its own
         assert walked_rounds - (run.stats.target_calls - 1) in (0, 1)
     assert checked > accepted > 0 and rounds_checked > 0
+
+
+def test_drafted_rows_carry_the_logged_chain_below_their_root():
+    """A drafted token's lookup features are the round's lookup chain, as collect logs it below
+    the round's root: `lookup_agrees` where its branch is the chain's prefix, `lookup_disagrees`
+    where the branch above it is and the chain goes on with another token, the chain's n-gram
+    length and the lookup's recent accuracy beside them; zeros where nothing is looked up."""
+    target = tiny_llama(0)
+    draft = perturbed_copy(target, 0.6, seed=1)
+    config = DecodeConfig(method="mcsd", max_new_tokens=24, max_depth=3, mcsd_branching=(2,))
+    g = torch.Generator().manual_seed(1)
+    agreed = disagreed = 0
+    for i in range(4):
+        prompt = torch.randint(0, 97, (int(torch.randint(2, 6, (1,), generator=g)),),
+                               generator=g).repeat(3)
+        logger = RoundLogger()
+        logger.start(f"p{i}", "train")
+        text = generate(KVModel(target), ModelDrafter(KVModel(draft)), prompt, config,
+                        FixedDepth(3), hook=logger).tokens
+        logger.finish(prompt.tolist(), text, chain_tokens=5, ngram=config.lookup_ngram)
+        rows, chains = logger.table().to_pandas(), logger.lookup_table().to_pandas()
+        for round_, drafted in rows.groupby("round"):
+            chain = chains[chains["round"] == round_].sort_values("position")
+            tokens, on_chain = chain["token"].tolist(), {0: True}
+            for node, parent, token, depth, agrees, disagrees, ngram, recent in zip(
+                    drafted["node"], drafted["parent"], drafted["token"], drafted["depth"],
+                    drafted["lookup_agrees"], drafted["lookup_disagrees"],
+                    drafted["lookup_ngram"], drafted["lookup_recent"]):
+                reaches = on_chain[parent] and depth <= len(tokens)
+                on_chain[node] = reaches and tokens[int(depth) - 1] == token
+                assert (agrees, disagrees) == (on_chain[node], reaches and not on_chain[node])
+                assert ngram == (chain["ngram"].iloc[0] if tokens else 0)
+                if tokens:
+                    assert recent == pytest.approx(chain["recent"].iloc[0], abs=1e-6)
+                agreed, disagreed = agreed + agrees, disagreed + disagrees
+    assert agreed > 0 and disagreed > 0

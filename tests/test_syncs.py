@@ -119,8 +119,9 @@ def test_a_round_brings_one_tensor_to_the_host_and_sends_nothing(
 
 
 # per round at most (to the host, to the device), as measured; before issue 17 ~11.5 and ~32
-# greedy, ~18 and ~33 sampling
-TREE = {"greedy": (4.9, 10.8), "sampling": (5.0, 11.5)}
+# greedy, ~18 and ~33 sampling; one more to the host since the features read the lookup chain
+# below the root (the root's token, once a round)
+TREE = {"greedy": (6.0, 10.8), "sampling": (6.0, 11.5)}
 
 
 @pytest.mark.parametrize("mode", list(TREE))
