@@ -43,6 +43,7 @@ replayed round passes the tokens it yields), as in `replay.simulate`.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import product
 
 import numpy as np
 import pandas as pd
@@ -207,7 +208,7 @@ class TreeReplay:
         fed = np.zeros(len(s), dtype=bool)
         for d in range(1, self.max_depth):
             room = d < self.cap[self.round_index]  # the budget allows another level
-            ok = candidate & (self.level == d) & (s > rule.expand) & room
+            ok = candidate & (self.level == d) & (s > rule.expand) & room & (d < rule.max_depth)
             fed |= ok & (_rank_within(self.round_index, s, ok) < rule.max_width)
             below = (self.level == d + 1) & (self.parent_row >= 0)
             candidate[below] = fed[self.parent_row[below]]
@@ -404,28 +405,29 @@ def sequoia(replay: TreeReplay, train: TreeReplay, costs: TreeCosts) -> Tuned:
 
 def tune_dynamic(name: str, replay: TreeReplay, p: np.ndarray, costs: TreeCosts,
                  start_rho: float, iterations: int = 4) -> tuple[Tuned, TreeRule]:
-    """(expand, max_width) over the grid, rho by Dinkelbach from `start_rho`; the curve sweeps
-    rho (the node budget) at the best (expand, max_width)."""
+    """(expand, max_width, depth: the superset's levels kept) over the grid, rho by Dinkelbach
+    from `start_rho`; the curve sweeps rho (the node budget) at the best of them."""
     widths = [w for w in WIDTH_GRID if w < len(costs.step)]
+    branching = replay.tree.branching
     best: tuple[TreeResult, TreeRule] | None = None
-    for expand in EXPAND_GRID:
-        for width in widths:
-            rho = start_rho
-            for _ in range(iterations):
-                rule = costs.rule(replay.tree.branching, expand, rho, width)
-                result = replay.dynamic(p, rule, costs)
-                if best is None or result.speedup > best[0].speedup:
-                    best = (result, rule)
-                if abs(result.speedup - rho) < 1e-6:
-                    break
-                rho = result.speedup
+    for expand, width, depth in product(EXPAND_GRID, widths, range(1, len(branching) + 1)):
+        rho = start_rho
+        for _ in range(iterations):
+            rule = costs.rule(branching[:depth], expand, rho, width)
+            result = replay.dynamic(p, rule, costs)
+            if best is None or result.speedup > best[0].speedup:
+                best = (result, rule)
+            if abs(result.speedup - rho) < 1e-6:
+                break
+            rho = result.speedup
     result, rule = best
     curve = []
     for factor in (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0):
         swept = replay.dynamic(p, costs.rule(rule.branching, rule.expand, rule.rho * factor,
                                              rule.max_width), costs)
         curve.append((swept.verified, swept.speedup))
-    setting = {"expand": rule.expand, "max_width": rule.max_width, "rho": rule.rho}
+    setting = {"expand": rule.expand, "max_width": rule.max_width, "rho": rule.rho,
+               "depth": rule.max_depth}
     return Tuned(name, result, setting, sorted(curve)), rule
 
 
