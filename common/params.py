@@ -110,6 +110,7 @@ class DecodeParams(TreeConfig):
     gamma: PosInt = 4
     threshold: Probability = 0.4
     stop_model: Path | None = None
+    lookup_branch: bool = False  # `tree`: the prompt-lookup chain as one more branch
 
     @model_validator(mode="after")
     def _gamma_within_depth(self) -> "DecodeParams":

@@ -65,7 +65,8 @@ class DecodeConfig:
         if self.lossy and self.method != "ti-mcsd":
             raise ValueError("--lossy applies to ti-mcsd only")
         if self.lookup_branch and self.method != "tree":
-            raise ValueError("a lookup branch applies to tree rounds only")
+            raise ValueError("a lookup branch (lookup_branch) joins method 'tree' only, not "
+                             f"'{self.method}'")
         if self.max_new_tokens < 1 or self.max_depth < 1 or self.lookup_ngram < 1:
             raise ValueError("max_new_tokens, max_depth and lookup_ngram must be >= 1")
         if self.max_depth > MAX_DEPTH:

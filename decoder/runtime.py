@@ -97,13 +97,15 @@ def sampling_from(temperature: float, top_p: float) -> Sampling:
         raise SpecstopError(str(err)) from err
 
 
-def decode_config(tree: TreeConfig, method: str) -> DecodeConfig:
-    """The runtime's decode config for `method` with the tree and sampling options of `tree`."""
+def decode_config(tree: TreeConfig, method: str, lookup_branch: bool = False) -> DecodeConfig:
+    """The runtime's decode config for `method` with the tree and sampling options of `tree`
+    (and `tree` rounds' lookup branch)."""
     try:
         return DecodeConfig(
             method=method, max_new_tokens=tree.max_new_tokens,
             sampling=sampling_from(tree.temperature, tree.top_p), max_depth=tree.max_depth,
             mcsd_branching=tuple(tree.mcsd_branching), ti_width=tree.ti_width,
-            lossy=tree.lossy, without_replacement=tree.without_replacement)
+            lossy=tree.lossy, without_replacement=tree.without_replacement,
+            lookup_branch=lookup_branch)
     except ValueError as err:
         raise SpecstopError(str(err)) from err

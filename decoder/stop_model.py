@@ -159,12 +159,13 @@ class LearnedPolicy:
 
 
     def tree_summary(self, decision_seconds: float, seconds: float, gated: int = 0,
-                     rounds: int = 0, greedy: bool = True) -> str:
+                     rounds: int = 0, greedy: bool = True, lookup_branch: bool = False) -> str:
         """One line on the `tree` method's use of the model (its decisions' share of a run, the
-        rounds its gate kept from drafting), or why it ran plain `ar` or a static shape."""
+        rounds its gate kept from drafting, the lookup branch beside its tree), or why it ran
+        plain `ar` or a static shape (never with a lookup branch: `with_static_fallback`)."""
         family = self.meta["family"]
         shape = self.static_shapes.get(greedy)
-        if shape is not None:
+        if shape is not None and not lookup_branch:
             static = self.meta[STATIC_KEYS[greedy]]
             tree = self.meta["gated_speedup" if greedy else "sampling_tree_speedup"]
             return (f"stop model: {family} decodes the static tree {list(shape.widths)} to depth "
@@ -177,9 +178,10 @@ class LearnedPolicy:
         rule, share = self.tree_rule, decision_seconds / seconds if seconds > 0 else 0.0
         gate = "" if self.round_gate is None else f", round gate: {gated} of {rounds} rounds " \
             "not drafted"
+        chain = ", with the lookup branch" if lookup_branch else ""
         return (f"stop model: {family}, tree rule (expand {rule.expand:.3g}, max "
-                f"width {rule.max_width}, rho {rule.rho:.4g}); decisions {100 * share:.2f}% of "
-                f"the decode time{gate}")
+                f"width {rule.max_width}, rho {rule.rho:.4g}){chain}; decisions "
+                f"{100 * share:.2f}% of the decode time{gate}")
 
 
 def _round_gate(meta: dict) -> RoundGate | None:

@@ -124,7 +124,7 @@ def _generate(args: argparse.Namespace, params: Params) -> None:
 
     _quiet_transformers()
     decode = params.decode
-    config = decode_config(decode, decode.method)
+    config = decode_config(decode, decode.method, decode.lookup_branch)
     policy = stopping_policy(decode)
     runtime = runtime_from(params.models, params.costs,
                            need_draft=round_method(decode.method).drafts)
@@ -135,7 +135,7 @@ def _generate(args: argparse.Namespace, params: Params) -> None:
     if isinstance(policy, LearnedPolicy):
         print(policy.tree_summary(stats.decision_seconds, stats.seconds, stats.gated,
                                   stats.target_calls - 1,  # the prefill is no round
-                                  config.sampling.greedy)
+                                  config.sampling.greedy, config.lookup_branch)
               if config.method == "tree" else policy.summary())
     print(stats.summary())
 
@@ -182,7 +182,8 @@ def _bench_decode(args: argparse.Namespace, params: Params) -> None:
         raise SpecstopError("--execute-code needs HumanEval prompts, not --prompt")
     decode = params.decode
     methods = ["ar", *[m for m in args.methods if m != "ar"]]
-    configs = [_with_lossy(decode_config(decode, m.removesuffix(LOSSY_SUFFIX)),
+    configs = [_with_lossy(decode_config(decode, m.removesuffix(LOSSY_SUFFIX),
+                                         decode.lookup_branch and m == "tree"),
                            m.endswith(LOSSY_SUFFIX)) for m in methods]
     runtime = runtime_from(params.models, params.costs, need_draft=len(methods) > 1)
     problems = [] if args.prompt else humaneval_problems(args.prompts)

@@ -13,7 +13,7 @@ from specstop.decoder.stop_model import load_stop_model
 MODEL_FLAGS = ("target", "draft", "dtype", "device", "cpu_kernel", "compile")
 DECODE_FLAGS = ("method", "max_new_tokens", "temperature", "top_p", "max_depth", "policy",
                 "gamma", "threshold", "stop_model", "mcsd_branching", "ti_width", "lossy",
-                "seed")
+                "lookup_branch", "seed")
 
 
 def positive_int(text: str) -> int:
@@ -53,6 +53,9 @@ def add_decode_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ti-width", type=int, help="ti-mcsd branches")
     parser.add_argument("--lossy", action="store_true", default=None,
                         help="ti-mcsd: the published (lossy) DynaSD selection")
+    parser.add_argument("--lookup-branch", action="store_true", default=None,
+                        help="tree: add the prompt-lookup chain below the root as one more "
+                             "branch, cut by the stop model's lookup model")
     parser.add_argument("--seed", type=int)
 
 

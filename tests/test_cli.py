@@ -20,12 +20,14 @@ from typing import Callable, Iterator
 import pytest
 
 from conftest import TINY_CONTEXT
+from stop_models import write_stop_model
 
 TINY, OTHER, LONG = "<tiny>", "<other-tokenizer>", "<long-context>"  # the fixture model folders
 MODELS = ["--target", TINY, "--draft", TINY, "--dtype", "float32"]
 GENERATE = ["generate", *MODELS, "--max-new-tokens", "8"]
 HI = [*GENERATE, "--prompt", "hi"]
 PARAMS_FILES = {"bad-seed.yaml": "decode:\n  seed: abc\n"}
+STOP_MODEL = "stop_model.pt"  # written into the commands' folder (`stop_models.py`)
 
 # case -> (argv, what the error line must say)
 ERRORS: dict[str, tuple[list[str], str]] = {
@@ -60,6 +62,8 @@ ERRORS: dict[str, tuple[list[str], str]] = {
     "bad-int-flag": ([*HI, "--max-new-tokens", "abc"], "invalid int value: 'abc'"),
     "huge-tree": ([*HI, "--method", "mcsd", "--mcsd-branching", "1000", "1000"],
                   "tree would have"),
+    "lookup-branch-not-tree": ([*HI, "--method", "sd", "--lookup-branch"],
+                               "a lookup branch (lookup_branch) joins method 'tree' only"),
 }
 METHODS: dict[str, list[str]] = {
     "ar": [*HI, "--method", "ar"],
@@ -74,6 +78,8 @@ OTHERS: dict[str, list[str]] = {
                "hi hi hi hi hi hi"],
     "bench-decode": ["bench-decode", *MODELS, "--prompt", "hi", "--prompt", "hello there",
                      "--max-new-tokens", "8"],
+    "tree-lookup-branch": [*GENERATE, "--method", "tree", "--stop-model", STOP_MODEL,
+                           "--lookup-branch", "--prompt", "hi hi hi hi hi hi hi hi"],
 }
 CASES = {**{name: argv for name, (argv, _) in ERRORS.items()}, **METHODS, **OTHERS}
 FLOAT = r"\d+\.\d+"
@@ -101,6 +107,7 @@ def cli(request: pytest.FixtureRequest, tiny_model_dir: Path, other_tokenizer_mo
     workdir = tmp_path_factory.mktemp("cli-cwd")
     for name, text in PARAMS_FILES.items():
         (workdir / name).write_text(text)
+    write_stop_model(workdir / STOP_MODEL)
     folders = {TINY: str(tiny_model_dir), OTHER: str(other_tokenizer_model_dir),
                LONG: str(tiny_target)}
     with ThreadPoolExecutor(max_workers=(os.cpu_count() or 2) + 1) as pool:
@@ -150,6 +157,18 @@ def test_lookup_decodes_without_a_draft(cli: Run, case: str):
     result = cli(case)
     assert result.returncode == 0, result.stderr
     assert SUMMARY.fullmatch(result.stdout.splitlines()[-1]), result.stdout
+
+
+@pytest.mark.parametrize("case", ["tree-lookup-branch"])
+def test_a_tree_decodes_with_its_lookup_branch(cli: Run, case: str):
+    """`--lookup-branch` adds the chain to the exported policy's tree (the prompt repeats, so
+    the chain is found) and the decode ends with the policy's line and the summary."""
+    result = cli(case)
+    assert result.returncode == 0, result.stderr
+    *_, policy_line, summary = result.stdout.splitlines()
+    assert SUMMARY.fullmatch(summary), result.stdout
+    assert policy_line.startswith("stop model: logistic, tree rule") \
+        and "with the lookup branch" in policy_line, result.stdout
 
 
 @pytest.mark.parametrize("case", ["bench-decode"])

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -270,6 +271,25 @@ def test_reading_bad_parts_gives_clear_errors(tmp_path):
         read_part(tmp_path / "missing.parquet")
 
 
+def logged_repeats(target: torch.nn.Module, prompts: int, seed: int
+                   ) -> Iterator[tuple[torch.Tensor, list[int], RoundLogger]]:
+    """(prompt, text, its logger) of `prompts` greedy `mcsd` decodes by `target` with a
+    perturbed copy as the draft, each prompt a short random one said three times (so the lookup
+    finds chains), logged as collect logs them (chains of 5)."""
+    draft = perturbed_copy(target, 0.6, seed=1)
+    config = DecodeConfig(method="mcsd", max_new_tokens=24, max_depth=3, mcsd_branching=(2,))
+    g = torch.Generator().manual_seed(seed)
+    for i in range(prompts):
+        prompt = torch.randint(0, 97, (int(torch.randint(2, 6, (1,), generator=g)),),
+                               generator=g).repeat(3)
+        logger = RoundLogger()
+        logger.start(f"p{i}", "train")
+        text = generate(KVModel(target), ModelDrafter(KVModel(draft)), prompt, config,
+                        FixedDepth(3), hook=logger).tokens
+        logger.finish(prompt.tolist(), text, chain_tokens=5, ngram=config.lookup_ngram)
+        yield prompt, text, logger
+
+
 def test_lookup_rows_label_each_chain_by_the_targets_argmax():
     """The chain logged below each token of the text (a round's root or not) is labelled as a
     greedy pass over the chain would verify it: token j accepted iff the target's arg-max after
@@ -277,19 +297,9 @@ def test_lookup_rows_label_each_chain_by_the_targets_argmax():
     text.  `lookup` alone walked along the logged chains (`replay.lookup_chains.lookup_alone`)
     accepts what the runtime's `lookup` method accepts, in as many rounds."""
     target = tiny_llama(0)
-    draft = perturbed_copy(target, 0.6, seed=1)
-    config = DecodeConfig(method="mcsd", max_new_tokens=24, max_depth=3, mcsd_branching=(2,))
     alone = DecodeConfig(method="lookup", max_new_tokens=24, max_depth=5)
-    g = torch.Generator().manual_seed(0)
     checked = accepted = rounds_checked = 0
-    for i in range(5):
-        prompt = torch.randint(0, 97, (int(torch.randint(2, 6, (1,), generator=g)),),
-                               generator=g).repeat(3)
-        logger = RoundLogger()
-        logger.start(f"p{i}", "train")
-        text = generate(KVModel(target), ModelDrafter(KVModel(draft)), prompt, config,
-                        FixedDepth(3), hook=logger).tokens
-        logger.finish(prompt.tolist(), text, chain_tokens=5, ngram=2)
+    for prompt, text, logger in logged_repeats(target, 5, seed=0):
         rows = logger.lookup_table().to_pandas()
         for emitted, chain in rows.groupby("emitted"):
             tokens = chain["token"].tolist()
@@ -302,7 +312,7 @@ def test_lookup_rows_label_each_chain_by_the_targets_argmax():
                 truth = int(argmax[j] == token) if alive else -1
                 if emitted + j >= len(text):  # past the decoded text: not known
                     truth = -1
-                assert label == truth, (i, emitted, j)
+                assert label == truth, (prompt.tolist(), emitted, j)
                 alive = alive and argmax[j] == token
                 checked += label >= 0
                 accepted += label == 1
@@ -323,19 +333,8 @@ def test_drafted_rows_carry_the_logged_chain_below_their_root():
     the round's root: `lookup_agrees` where its branch is the chain's prefix, `lookup_disagrees`
     where the branch above it is and the chain goes on with another token, the chain's n-gram
     length and the lookup's recent accuracy beside them; zeros where nothing is looked up."""
-    target = tiny_llama(0)
-    draft = perturbed_copy(target, 0.6, seed=1)
-    config = DecodeConfig(method="mcsd", max_new_tokens=24, max_depth=3, mcsd_branching=(2,))
-    g = torch.Generator().manual_seed(1)
     agreed = disagreed = 0
-    for i in range(4):
-        prompt = torch.randint(0, 97, (int(torch.randint(2, 6, (1,), generator=g)),),
-                               generator=g).repeat(3)
-        logger = RoundLogger()
-        logger.start(f"p{i}", "train")
-        text = generate(KVModel(target), ModelDrafter(KVModel(draft)), prompt, config,
-                        FixedDepth(3), hook=logger).tokens
-        logger.finish(prompt.tolist(), text, chain_tokens=5, ngram=config.lookup_ngram)
+    for _, _, logger in logged_repeats(tiny_llama(0), 4, seed=1):
         rows, chains = logger.table().to_pandas(), logger.lookup_table().to_pandas()
         for round_, drafted in rows.groupby("round"):
             chain = chains[chains["round"] == round_].sort_values("position")

@@ -243,6 +243,8 @@ def test_a_stop_model_naming_a_static_shape_decodes_it_where_it_beat_the_tree(mo
     assert line.startswith("stop model: logistic decodes the static tree [2, 1, 1] to depth 2")
     assert "1.300x ar against 1.200x" in line
     assert policy.tree_summary(0.1, 1.0).startswith("stop model: logistic, tree rule")
+    assert "tree rule (expand 0.3, max width 2, rho 0.8), with the lookup branch;" in \
+        policy.tree_summary(0.0, 1.0, greedy=False, lookup_branch=True)  # no static shape then
     with pytest.raises(SpecstopError, match="incomplete metadata"):
         load_stop_model(write_stop_model(tmp_path / "bad.pt",
                                          static_tree={"widths": [0], "depth": 2}))
