@@ -68,7 +68,9 @@ def test_repro_ends_with_stop_model_metrics_plots_and_runs(smoke: Path):
     assert train["oracle"]["simulated_speedup"] >= train["mlp"]["simulated_speedup"]
     bench = json.loads((smoke / "metrics/bench.json").read_text())
     assert train["replay"]["winner"]["family"] == policy.meta["family"]
-    assert policy.tree_rule.branching[:3] == (3, 2, 2)  # the superset tree collect logs
+    depth = policy.tree_rule.max_depth  # the superset tree collect logs, to the tuned depth
+    assert 1 <= depth <= 4 and policy.tree_rule.branching == (3, 2, 2, 1)[:depth]
+    assert train["replay"]["policies"][policy.meta["family"]]["depth"] == depth
     chosen = read_params_file(smoke / "params.yaml")["bench"]["methods"]
     assert {"ar-aa", "sd", "ti-mcsd", "static-tree", "tree+stop_model"} <= set(chosen)
     for method in ["ar", *[m for m in chosen if not m.startswith("hf-assisted")]]:  # no peer
