@@ -181,7 +181,7 @@ def test_a_lookup_branch_below_a_drafted_node_goes_after_its_drafted_children() 
 
 def test_a_lookup_branch_is_for_tree_rounds_only() -> None:
     DecodeConfig(method="tree", lookup_branch=True, sampling=Sampling(1.0))  # greedy or not
-    with pytest.raises(ValueError, match="tree rounds only"):
+    with pytest.raises(ValueError, match="joins method 'tree' only"):
         DecodeConfig(method="sd", lookup_branch=True)
 
 
