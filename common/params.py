@@ -189,6 +189,7 @@ class DraftTrainConfig(Section):
     schedule: Literal["constant", "cosine"] = "cosine"  # after warmup
     final_lr: Annotated[float, Field(ge=0, le=1)] = 0.1  # cosine: lr's share at the end
     feature_loss_weight: NonNegFloat = 1.0  # feature-conditioned head only
+    frozen_lm_head: bool = False  # feature head: its output rows stay the target's (EAGLE's)
     feature_noise: NonNegFloat = 0.05  # uniform noise on input features
     unroll: PosInt = 1  # feature head: passes fed with its own predicted features
     val_every_steps: PosInt = 40  # also the checkpoint interval
@@ -297,6 +298,15 @@ class MLPParams(Section):
     patience: PosInt = 4
 
 
+class CostRegimes(Section):
+    """Cost curves of other machines' shape the winner's tree is re-tuned for (a grid; an
+    empty list: none): a draft step's seconds times `draft_cost`, a target pass's seconds
+    above a one-token step's times `verify_slope`."""
+
+    draft_cost: list[PosFloat] = []
+    verify_slope: list[PosFloat] = []
+
+
 class StopTrainConfig(Section):
     data: Path = paths.COLLECT
     out: Path = paths.TRAIN
@@ -317,6 +327,7 @@ class StopTrainConfig(Section):
     replay_temperatures: list[PosFloat] = []  # other sampled temperatures (of
     # collect.temperatures) the tree policies are tuned and replayed at, for the report only
     # (metrics `replay.sampling_at`); the exported sampling rule is `sampling_temperature`'s
+    regimes: CostRegimes = CostRegimes()  # the greedy tree replay under other cost curves
     logistic: LogisticParams = LogisticParams()
     lightgbm: LightGBMParams = LightGBMParams()
     mlp: MLPParams = MLPParams()

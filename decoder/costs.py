@@ -282,6 +282,15 @@ class CostModel:
         a table without it)."""
         return (self.static_overhead if static else self.tree_overhead)[sampled]
 
+    def scaled(self, draft: float = 1.0, verify_slope: float = 1.0) -> "CostModel":
+        """This model on another machine's shape of curve: each draft step's seconds times
+        `draft`, each target pass's seconds above a one-token step's times `verify_slope`
+        (a what-if for the replay; the decisions and the rounds' host work unchanged)."""
+        step = self.target.step
+        target = {n: step + verify_slope * (t - step) for n, t in self.target.seconds.items()}
+        return replace(self, target=CostCurve(target),
+                       draft=CostCurve({n: t * draft for n, t in self.draft.seconds.items()}))
+
     def draft_step(self, width: int, extra: float = 0.0) -> float:
         """`ar` steps of one draft step feeding `width` nodes, its features and decision
         (`extra` seconds more: a learned model's latency) included."""

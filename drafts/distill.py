@@ -52,6 +52,8 @@ class DraftDistiller(pl.LightningModule):
                  corpus_layers: tuple[int, ...] = (-1,)) -> None:
         super().__init__()
         self.draft, self.family, self.config = draft, family, config
+        if family == "feature" and config.frozen_lm_head:  # EAGLE's frozen LM head: the
+            draft.lm_head.requires_grad_(False)  # predicted feature must read as the target's
         # where the corpus' hidden states [.., L, H] hold the last layer, and the head's input
         self.last_index = corpus_layers.index(-1)
         self.input_index = [corpus_layers.index(i) for i in getattr(draft, "target_layers", ())]

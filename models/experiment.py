@@ -120,6 +120,7 @@ def run(config: StopTrainConfig, store: TrackingStore) -> Report:
     sampling_at = {f"{t:g}": _sampling_trees(config, bench, entries, t).metrics()
                    for t in tqdm(config.replay_temperatures, desc="replay", unit="temperature")}
     ablation = _ablation(entries[trees.winner], dataset, bench, trees) if trees.winner else {}
+    regimes = _regimes(config, dataset, bench, entries, trees.winner)
     with tracking.run("baselines") as run_id:
         _log_datasets(dataset, config, ("val",))  # tuned and scored on val only
         _log_baselines(entries, bench, common)
@@ -128,7 +129,7 @@ def run(config: StopTrainConfig, store: TrackingStore) -> Report:
         if entries[name].model is None:
             entries[name].run_id = run_id
     replay = {**trees.metrics(), "sampling": sampling.metrics() if sampling else None,
-              "sampling_at": sampling_at}
+              "sampling_at": sampling_at, "regimes": regimes}
     metrics = {**_metrics(entries, bench, config), "replay": replay, "ablation": ablation,
                "sanity_floor": _sanity_floor(entries, bench, config.families)}
     winner = trees.winner
@@ -145,6 +146,21 @@ def _trees(dataset: data.Dataset, bench: Bench, entries: dict[str, Entry]
     return tree_report.compare(dataset.train.rows, dataset.val.rows, bench.costs,
                                confidence_score(bench.X), families,
                                read_lookup_rows(bench.config.data))
+
+
+def _regimes(config: StopTrainConfig, dataset: data.Dataset, bench: Bench,
+             entries: dict[str, Entry], winner: str | None) -> list[dict]:
+    """The winner's greedy tree against the best static shape and the confidence tree on the
+    `train.regimes` grid of cost curves (none without a winner or a grid)."""
+    grid = config.regimes
+    if winner is None or not grid.draft_cost or not grid.verify_slope:
+        return []
+    entry = entries[winner]
+    return tree_report.regimes(dataset.train.rows, dataset.val.rows, bench.costs,
+                               confidence_score(bench.X), winner,
+                               entry.model.predict_proba(bench.X),
+                               entry.latency if config.charge_decision_latency else 0.0,
+                               grid.draft_cost, grid.verify_slope)
 
 
 def _sampling_trees(config: StopTrainConfig, bench: Bench, entries: dict[str, Entry],
@@ -415,6 +431,7 @@ def _save(entries: dict[str, Entry], bench: Bench, dataset: data.Dataset, winner
                _summary(entries, bench, dataset, winner, trees, sampling))
     _write_plot_data(entries, bench)
     tree_report.write_plot_data(trees, config.plots)
+    tree_report.write_regimes(metrics["replay"]["regimes"], config.plots)
     write_json(config.metrics, metrics)
 
 

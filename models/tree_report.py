@@ -13,11 +13,13 @@ chain's survival learned and certain, beside `lookup` alone (walked along the va
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import product
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from tqdm import tqdm
 
 from specstop.decoder.costs import CostModel
 from specstop.decoder.lookup import LookupModel
@@ -231,6 +233,41 @@ def compare(train: pd.DataFrame, val: pd.DataFrame, costs: CostModel, q_token: n
     if chains is not None and len(chains):
         return comparison.with_lookup(chains, {CONFIDENCE_TREE: (q_token, 0.0), **families})
     return comparison
+
+
+def regimes(train: pd.DataFrame, val: pd.DataFrame, costs: CostModel, q_token: np.ndarray,
+            family: str, p: np.ndarray, latency: float, draft_costs: list[float],
+            verify_slopes: list[float]) -> list[dict]:
+    """`compare` again for each cost curve of the grid (`CostModel.scaled`: draft steps times
+    a `draft_costs` entry, passes above a one-token step times a `verify_slopes` entry), with
+    `family`'s p (and `latency`) only: where on other machines' curves its tree would beat the
+    best static shape and the confidence tree, with no retraining (`replay.regimes`)."""
+    out = []
+    for draft, slope in tqdm(list(product(draft_costs, verify_slopes)), desc="regimes",
+                             unit="curve"):
+        scaled = costs.scaled(draft, slope)
+        comparison = compare(train, val, scaled, q_token, {family: (p, latency)})
+        static, speed = comparison.best_static, comparison.tuned[family].result.speedup
+        out.append({"draft_cost": draft, "verify_slope": slope,
+                    "c": scaled.draft.step / scaled.target.step,
+                    "best_static": {"method": static, "simulated_speedup":
+                                    comparison.tuned[static].result.speedup},
+                    "confidence_tree": comparison.tuned[CONFIDENCE_TREE].result.speedup,
+                    "oracle": comparison.oracle.speedup,
+                    "winner": {"family": family, "simulated_speedup": speed,
+                               **{k: v for k, v in comparison.winner_entry().items()
+                                  if k.startswith("vs_")}}})
+    return out
+
+
+def write_regimes(entries: list[dict], folder: Path) -> None:
+    """The winner over the confidence tree and over the best static shape against c, one
+    CSV per verify slope (`dvc plots`)."""
+    for slope in sorted({e["verify_slope"] for e in entries}):
+        rows = sorted((e["c"], e["winner"]["vs_confidence_tree"], e["winner"]["vs_best_static"])
+                      for e in entries if e["verify_slope"] == slope)
+        plots.write_csv(folder / "regimes" / f"verify_slope_{slope:g}.csv",
+                        ["c", "winner_vs_confidence_tree", "winner_vs_best_static"], rows)
 
 
 def _tree_costs(costs: CostModel, replay: TreeReplay, latency: float) -> TreeCosts:

@@ -112,3 +112,17 @@ def test_the_sweeps_prediction_prices_the_pass_as_the_loop_pays_it():
 
     assert _predicted_speedup(0.5, 0.1, 3, UNEVEN) == pytest.approx(1.875 / (0.3 / 0.9 + 1.2 / 0.9))
     assert _predicted_speedup(0.5, 0.1, 3, None) == pytest.approx(1.875 / 1.3)
+
+
+def test_a_scaled_model_stretches_the_draft_steps_and_the_verify_slope_only():
+    draft = CostCurve({1: 0.002, 4: 0.003})
+    model = CostModel((1, 4, 10), MEASURED, draft, 0.001, (0.1, 0.2), (0.05, 0.1))
+    assert model.scaled() == model
+    scaled = model.scaled(draft=3.0, verify_slope=4.0)
+    assert scaled.draft.seconds == {1: pytest.approx(0.006), 4: pytest.approx(0.009)}
+    assert scaled.target.step == MEASURED.step
+    for n in (2, 8, 32):
+        assert scaled.target.at(n) - 1 == pytest.approx(4 * (MEASURED.at(n) - 1))
+    assert (scaled.decision, scaled.tree_overhead, scaled.static_overhead) == \
+        (model.decision, model.tree_overhead, model.static_overhead)
+    assert scaled.draft_step(1) > model.draft_step(1)

@@ -237,6 +237,22 @@ def test_one_training_step_lowers_the_loss(target, family):
     assert float(after) < float(before.detach())
 
 
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_frozen_lm_head_keeps_the_targets_rows_while_the_rest_learns(target, frozen):
+    torch.manual_seed(0)
+    draft = build_feature_head(target, 1, PRUNED).float().train()
+    rows = target.get_output_embeddings().weight[PRUNED].detach().clone()
+    assert torch.equal(draft.lm_head.weight.detach(), rows)
+    config = DraftTrainConfig(lr=3e-3, warmup_steps=1, unroll=2, frozen_lm_head=frozen)
+    module = DraftDistiller(draft, "feature", PRUNED, VOCAB, config, LAYERS)
+    body = draft.fc.weight.detach().clone()
+    optimizer = module.configure_optimizers()
+    module(collate(fake_corpus(target, 6, seed=1)))[0].backward()
+    optimizer.step()
+    assert torch.equal(draft.lm_head.weight.detach(), rows) == frozen
+    assert not torch.equal(draft.fc.weight.detach(), body)
+
+
 def test_token_counts_are_the_teachers_mass_over_the_responses(target):
     corpus = fake_corpus(target, 3, seed=2)
     counts = token_counts(corpus, VOCAB)

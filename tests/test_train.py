@@ -42,7 +42,7 @@ def params_for(tmp_path, **overrides) -> Params:
 def trained(tmp_path_factory):
     folder = tmp_path_factory.mktemp("train")
     make_collect(folder / "collect", prompts={"train": 24, "val": 8}, rounds=20)
-    params = params_for(folder)
+    params = params_for(folder, regimes={"draft_cost": [1, 4], "verify_slope": [1, 6]})
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(folder)
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -83,6 +83,29 @@ def test_tree_replay_reports_every_policy_against_the_best_static_and_the_oracle
     assert winner["vs_best_static"] == pytest.approx(
         winner["simulated_speedup"] / static["simulated_speedup"])
     assert winner["fraction_of_oracle"] <= 1.0
+
+
+def test_the_regimes_retune_the_winner_on_each_cost_curve_of_the_grid(trained):
+    folder, config, store, report = trained
+    replay = json.loads(config.metrics.read_text())["replay"]
+    regimes = {(e["draft_cost"], e["verify_slope"]): e for e in replay["regimes"]}
+    assert set(regimes) == {(1, 1), (1, 6), (4, 1), (4, 6)}
+    same = regimes[(1, 1)]  # the measured curve: the comparison above, figure for figure
+    assert same["best_static"] == replay["best_static"]
+    assert same["confidence_tree"] == replay["policies"]["confidence_tree"]["simulated_speedup"]
+    assert same["winner"]["family"] == replay["winner"]["family"]
+    for key in ("simulated_speedup", "vs_best_static", "vs_confidence_tree"):
+        assert same["winner"][key] == pytest.approx(replay["winner"][key])
+    assert regimes[(4, 1)]["c"] == pytest.approx(4 * same["c"])
+    for cheap, dear in [((1, 1), (4, 1)), ((1, 1), (1, 6)), ((4, 1), (4, 6))]:
+        # a dearer curve: the static grid (searched exhaustively) and the oracle only slow down
+        assert regimes[dear]["best_static"]["simulated_speedup"] \
+            < regimes[cheap]["best_static"]["simulated_speedup"]
+        assert regimes[dear]["oracle"] < regimes[cheap]["oracle"]
+    for slope in (1, 6):
+        table = (config.plots / "regimes" / f"verify_slope_{slope}.csv").read_text().split()
+        assert table[0] == "c,winner_vs_confidence_tree,winner_vs_best_static"
+        assert len(table) == 3
 
 
 def test_sanity_floor_and_ablation_cover_every_family_and_feature_group(trained):
