@@ -216,13 +216,16 @@ def measure_costs(target: KVModel, draft: KVModel | None, tree: Tree, repeats: i
         step = replace(step, seconds={n: t * scale for n, t in step.seconds.items()})
         result["draft"] = asdict(step)
         result["c"] = step.seconds[1] / verify.seconds[1]
-    result["decision_seconds"] = _decision_seconds(target.vocab_size, max(level_widths),
-                                                   repeats) * scale
+    support = None if draft is None else draft.vocab_ids
+    result["decision_seconds"] = _decision_seconds(
+        target.vocab_size if support is None else len(support), max(level_widths),
+        repeats) * scale
     return result
 
 
 def _decision_seconds(vocab: int, width: int, repeats: int) -> float:
-    """Features of one draft level plus a threshold decision (median seconds)."""
+    """Features of one draft level plus a threshold decision (median seconds), over the `vocab`
+    columns the runtime computes them on (a pruned draft's support: `drafter.draft_level`)."""
     q = torch.softmax(torch.randn(width, vocab), dim=-1)
     tokens = q.argmax(dim=1, keepdim=True)
     ones = torch.ones(width)

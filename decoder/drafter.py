@@ -12,18 +12,23 @@ ones).  A drafter with `target_layers` also receives the target's hidden states 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from .kv import KVModel
-from .sampling import Sampling, sample, sample_without_replacement
+from .sampling import Sampling, sample, sample_without_replacement, warp
 from .tree import Tree
 
 
 class Drafter(Protocol):
     target_layers: tuple[int, ...]  # the target's hidden-state layers it reads; () = none
     lm: KVModel  # the draft model and its cache (`Runtime.draft`)
+
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        """[S] the tokens it can give probability (a pruned head's); None: every token."""
 
     def reset(self, prompt: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
         """Start a new sequence whose committed tokens so far are `prompt` [L] (the target's
@@ -54,6 +59,10 @@ class ModelDrafter:
         self.lm = lm
         self.pending = torch.empty(0, dtype=torch.long)
         self.committed = 0  # cached positions that hold committed tokens
+
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        return self.lm.vocab_ids
 
     def reset(self, prompt: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
         self.lm.reset()
@@ -99,6 +108,10 @@ class FeatureDrafter:
         self.lm = lm
         self.target_layers: tuple[int, ...] = tuple(lm.model.target_layers)
         self.committed = 0
+
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        return self.lm.vocab_ids
 
     def reset(self, prompt: torch.Tensor, target_hidden: torch.Tensor | None = None) -> None:
         if target_hidden is None:
@@ -155,6 +168,42 @@ def step_positions(root_position: int, level: int, pending: int,
     all sit at `root_position + level`."""
     chain = torch.arange(root_position - pending, root_position + ids.shape[0], device=ids.device)
     return chain.clamp_max(root_position) + level
+
+
+@dataclass(frozen=True)
+class DraftedLevel:
+    """One draft step's children: `q` [m, V] the warped draft distribution of each node fed
+    (what verification reads) and `tokens` [m, k] its children in sampling order; the same over
+    the draft's support (`support_q` [m, S], the children's `columns` [m, k] in it), where they
+    were drawn and where the features are computed."""
+
+    q: torch.Tensor
+    tokens: torch.Tensor
+    support_q: torch.Tensor
+    columns: torch.Tensor
+
+
+def draft_level(
+    logits: torch.Tensor,  # [m, V] the draft's logits of the nodes fed
+    support: torch.Tensor | None,  # [S] the tokens the draft can give probability (a pruned
+    # head's `KVModel.vocab_ids`); None: the vocabulary
+    k: int,
+    sampling: Sampling,
+    without_replacement: bool,
+    generator: torch.Generator | None,
+) -> DraftedLevel:
+    """q and k children per node fed (`draft_children`), warped and drawn over the `support`
+    only: every other token has q 0 (a pruned head scatters -inf there), so these are draws
+    from q itself, over S columns instead of V (4,096 of 49,152 for the default draft)."""
+    if support is None:
+        q = warp(logits, sampling)
+        tokens = draft_children(q, k, sampling, without_replacement, generator)
+        return DraftedLevel(q, tokens, q, tokens)
+    support_q = warp(logits.index_select(1, support), sampling)
+    columns = draft_children(support_q, k, sampling, without_replacement, generator)
+    q = support_q.new_zeros(support_q.shape[0], logits.shape[1]).index_copy_(1, support,
+                                                                              support_q)
+    return DraftedLevel(q, support[columns], support_q, columns)
 
 
 def draft_children(

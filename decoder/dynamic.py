@@ -30,10 +30,10 @@ import torch
 from specstop.features import RoundContext, draft_features, feature_index
 
 from .contracts import Proposal
-from .drafter import Drafter, draft_children
+from .drafter import Drafter, draft_level
 from .lookup import LookupBranch, with_lookup_branch
 from .policy import TreePolicy, decoding_rule
-from .sampling import Sampling, warp
+from .sampling import Sampling
 from .tree import Tree
 from .tree_rule import TreeRule, children, verify_set
 
@@ -65,24 +65,26 @@ def propose_tree(
         rows = torch.from_numpy(frontier).to(r.device)  # S indices of the nodes fed now
         logits = drafter.step(drafted.fed_tree().on(r.device), depth, drafted.tokens[rows],
                               root_position)
-        q = warp(logits, sampling)  # [m, V]
         width = int(counts.max())
-        candidates = draft_children(q, width, sampling, without_replacement, generator)  # [m, w]
+        level = draft_level(logits, drafter.vocab_ids, width, sampling, without_replacement,
+                            generator)
+        candidates = level.tokens  # [m, w]
         slots = np.flatnonzero(np.arange(width)[None, :] < counts[:, None])  # each one's first
         parent, rank = np.divmod(slots, width)  # [c] row of q and rank of each kept candidate
         kept = _kept(slots, candidates.numel(), r.device)
         kids, n = _rows(candidates.flatten(), kept), candidates.numel()
         start = time.perf_counter()  # a decision: the candidates' features, p-hat, the rule
-        features = _rows(draft_features(q, candidates, depth + 1, candidates.new_zeros(n),
-                                        r[root].expand(n), drafted.confidence[rows],
-                                        drafted.on_chain[rows], context), kept)
+        features = _rows(draft_features(level.support_q, candidates, depth + 1,
+                                        candidates.new_zeros(n), r[root].expand(n),
+                                        drafted.confidence[rows], drafted.on_chain[rows],
+                                        context, level.columns), kept)
         p_hat = policy.probabilities(features).double().cpu().numpy()
         survival = drafted.survival[frontier][parent] * p_hat
         nodes = len(drafted.parent) + len(slots)  # the tree's nodes once these are added
         next_counts = children(survival, depth + 1, rule, nodes=nodes) if depth + 1 < levels \
             else np.zeros(len(slots), dtype=np.int64)
         decision += time.perf_counter() - start
-        frontier = drafted.add(frontier[parent], rank, q, kids, features, survival,
+        frontier = drafted.add(frontier[parent], rank, level.q, kids, features, survival,
                                next_counts > 0)
         counts = next_counts[next_counts > 0]
         if frontier.size == 0:

@@ -31,12 +31,12 @@ from specstop.common.params import METHODS
 from specstop.features import RoundContext, draft_features, feature_index
 
 from .contracts import Proposal
-from .drafter import Drafter, draft_children
+from .drafter import Drafter, draft_level
 from .dynamic import propose_chain, propose_tree
 from .lookup import Lookup, LookupBranch, lookup_branch, lookup_proposal
 from .policy import FixedDepth, StoppingPolicy, TreePolicy, static_shape
 from .round_gate import RoundGate
-from .sampling import Sampling, warp
+from .sampling import Sampling
 from .tree import Tree
 
 MAX_DEPTH = 64
@@ -296,17 +296,18 @@ def propose(
     confidence = on_chain = torch.ones(tree.roots, device=r.device)
     for depth in range(round.levels):
         logits = drafter.step(tree, depth, tokens[tree.level(depth)], round.root_position)
-        q = warp(logits, config.sampling)  # [n_depth, V]
-        kids = draft_children(q, tree.branching[depth], config.sampling,
-                              config.without_replacement, generator)
+        drafted = draft_level(logits, drafter.vocab_ids, tree.branching[depth],
+                              config.sampling, config.without_replacement, generator)
+        kids = drafted.tokens
         tokens = torch.cat([tokens, kids.flatten()])
-        q_rows.append(q)
+        q_rows.append(drafted.q)  # [n_depth, V]
         if round.context is None:
             continue
         level = tree.level(depth + 1)
         roots_of_kids = tree.root[level]  # also their rank among the roots
-        features = draft_features(q, kids, depth + 1, roots_of_kids, r[roots][roots_of_kids],
-                                  confidence, on_chain, round.context)
+        features = draft_features(drafted.support_q, kids, depth + 1, roots_of_kids,
+                                  r[roots][roots_of_kids], confidence, on_chain, round.context,
+                                  drafted.columns)
         confidence, on_chain = features[:, PATH_CONFIDENCE], features[:, LOOKUP_AGREES]
         feature_rows.append(features)
         if policy.reads_features:

@@ -55,11 +55,13 @@ def draft_features(
     parent_confidence: torch.Tensor,  # [m] path confidence of each parent (1 at the root)
     parent_on_chain: torch.Tensor,  # [m] 1 where each parent's branch is the chain's prefix
     context: RoundContext,          # (1 at the root)
+    columns: torch.Tensor | None = None,  # [m, k] the tokens' columns of q when q spans the
+    # draft's support only (the rest of the vocabulary has q 0); None: q spans the vocabulary
 ) -> torch.Tensor:
     """Features [m * k, F] float32 of the new tokens, in tree (level-major) order."""
     m, k = tokens.shape
     q = q.float()
-    q_token = q.gather(1, tokens)  # [m, k]
+    q_token = q.gather(1, tokens if columns is None else columns)  # [m, k]
     top = q.topk(min(TOP_K, q.shape[1]), dim=1).values  # [m, <=10]
     if top.shape[1] < TOP_K:
         top = torch.nn.functional.pad(top, (0, TOP_K - top.shape[1]))

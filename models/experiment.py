@@ -114,13 +114,14 @@ def run(config: StopTrainConfig, store: TrackingStore) -> Report:
               "dataset_digest": dataset.digest, "dropped_rounds": dataset.dropped_rounds}
     for family in tqdm(config.families, desc="train", unit="family"):
         entries[family] = _family(family, dataset, bench, common)
-    trees = _trees(dataset, bench, entries)
+    probabilities = _probabilities(bench, entries)
+    trees = _trees(dataset, bench, probabilities)
     sampling = _sampling_trees(config, bench, entries, config.sampling_temperature) \
         if config.sampling_temperature else None
     sampling_at = {f"{t:g}": _sampling_trees(config, bench, entries, t).metrics()
                    for t in tqdm(config.replay_temperatures, desc="replay", unit="temperature")}
     ablation = _ablation(entries[trees.winner], dataset, bench, trees) if trees.winner else {}
-    regimes = _regimes(config, dataset, bench, entries, trees.winner)
+    regimes = _regimes(config, bench, trees, probabilities)
     with tracking.run("baselines") as run_id:
         _log_datasets(dataset, config, ("val",))  # tuned and scored on val only
         _log_baselines(entries, bench, common)
@@ -137,29 +138,30 @@ def run(config: StopTrainConfig, store: TrackingStore) -> Report:
     return Report(entries, bench, winner, metrics)
 
 
-def _trees(dataset: data.Dataset, bench: Bench, entries: dict[str, Entry]
-           ) -> tree_report.TreeComparison:
-    """Every tree policy on the val rounds; each family's latency charged per draft step."""
+def _probabilities(bench: Bench, entries: dict[str, Entry]) -> dict[str, tuple[np.ndarray, float]]:
+    """Each family's p of every val row and its decision latency, charged per draft step."""
     charge = bench.config.charge_decision_latency
-    families = {f: (entries[f].model.predict_proba(bench.X), entries[f].latency if charge else 0.0)
-                for f in bench.config.families}
+    return {f: (entries[f].model.predict_proba(bench.X), entries[f].latency if charge else 0.0)
+            for f in bench.config.families}
+
+
+def _trees(dataset: data.Dataset, bench: Bench, families: dict[str, tuple[np.ndarray, float]]
+           ) -> tree_report.TreeComparison:
+    """Every tree policy on the val rounds, each family's with its `families` entry."""
     return tree_report.compare(dataset.train.rows, dataset.val.rows, bench.costs,
                                confidence_score(bench.X), families,
                                read_lookup_rows(bench.config.data))
 
 
-def _regimes(config: StopTrainConfig, dataset: data.Dataset, bench: Bench,
-             entries: dict[str, Entry], winner: str | None) -> list[dict]:
+def _regimes(config: StopTrainConfig, bench: Bench, trees: tree_report.TreeComparison,
+             families: dict[str, tuple[np.ndarray, float]]) -> list[dict]:
     """The winner's greedy tree against the best static shape and the confidence tree on the
     `train.regimes` grid of cost curves (none without a winner or a grid)."""
     grid = config.regimes
-    if winner is None or not grid.draft_cost or not grid.verify_slope:
+    if trees.winner is None or not grid.draft_cost or not grid.verify_slope:
         return []
-    entry = entries[winner]
-    return tree_report.regimes(dataset.train.rows, dataset.val.rows, bench.costs,
-                               confidence_score(bench.X), winner,
-                               entry.model.predict_proba(bench.X),
-                               entry.latency if config.charge_decision_latency else 0.0,
+    p, latency = families[trees.winner]
+    return tree_report.regimes(trees, confidence_score(bench.X), trees.winner, p, latency,
                                grid.draft_cost, grid.verify_slope)
 
 

@@ -83,6 +83,7 @@ class TreeComparison(Ranking):
     oracle: TreeResult
     families: tuple[str, ...]
     replay: TreeReplay  # the val rounds
+    train_replay: TreeReplay  # the train rounds (Sequoia's acceptance table)
     replay_rows: pd.DataFrame  # their round keys, node, parent, depth and token, in order
     costs: CostModel
     gate: RoundGate | None = None  # fitted on the train rounds, not yet tuned
@@ -219,15 +220,9 @@ def compare(train: pd.DataFrame, val: pd.DataFrame, costs: CostModel, q_token: n
     decision latency in seconds, charged per draft step); with the logged lookup `chains`
     (`collection.rows.read_lookup_rows`), also with the lookup branch (`with_lookup`)."""
     shape = branching(costs)
-    replay, train_replay = TreeReplay.from_rows(val, shape), TreeReplay.from_rows(train, shape)
-    base = _tree_costs(costs, replay, 0.0)
-    static = {**best_static(replay, base), "sequoia": sequoia(replay, train_replay, base)}
-    comparison = TreeComparison(static, {}, replay.oracle(base), tuple(families), replay,
-                                val[[*ROUND_KEYS, "node", "parent", "depth", "token"]], costs,
-                                round_gate.fit(train),
-                                round_gate.round_features(val))
-    for name, (p, latency) in {CONFIDENCE_TREE: (q_token, 0.0), **families}.items():
-        comparison.tuned[name], comparison.rules[name] = comparison.tune(name, p, latency)
+    comparison = _tuned(TreeReplay.from_rows(val, shape), TreeReplay.from_rows(train, shape),
+                        val[[*ROUND_KEYS, "node", "parent", "depth", "token"]], costs, q_token,
+                        families, round_gate.fit(train), round_gate.round_features(val))
     for name, (p, latency) in families.items():
         comparison.gates[name] = comparison.choose_gate(name, p, latency)
     if chains is not None and len(chains):
@@ -235,18 +230,34 @@ def compare(train: pd.DataFrame, val: pd.DataFrame, costs: CostModel, q_token: n
     return comparison
 
 
-def regimes(train: pd.DataFrame, val: pd.DataFrame, costs: CostModel, q_token: np.ndarray,
-            family: str, p: np.ndarray, latency: float, draft_costs: list[float],
-            verify_slopes: list[float]) -> list[dict]:
-    """`compare` again for each cost curve of the grid (`CostModel.scaled`: draft steps times
-    a `draft_costs` entry, passes above a one-token step times a `verify_slopes` entry), with
-    `family`'s p (and `latency`) only: where on other machines' curves its tree would beat the
-    best static shape and the confidence tree, with no retraining (`replay.regimes`)."""
+def _tuned(replay: TreeReplay, train_replay: TreeReplay, rows: pd.DataFrame, costs: CostModel,
+           q_token: np.ndarray, families: dict[str, tuple[np.ndarray, float]],
+           gate: RoundGate | None = None, gate_features: np.ndarray | None = None
+           ) -> TreeComparison:
+    """The static policies, the oracle and every dynamic tree (the confidence tree's and
+    `families`') tuned on `replay` for `costs`; no round gate chosen yet."""
+    base = _tree_costs(costs, replay, 0.0)
+    static = {**best_static(replay, base), "sequoia": sequoia(replay, train_replay, base)}
+    comparison = TreeComparison(static, {}, replay.oracle(base), tuple(families), replay,
+                                train_replay, rows, costs, gate, gate_features)
+    for name, (p, latency) in {CONFIDENCE_TREE: (q_token, 0.0), **families}.items():
+        comparison.tuned[name], comparison.rules[name] = comparison.tune(name, p, latency)
+    return comparison
+
+
+def regimes(trees: TreeComparison, q_token: np.ndarray, family: str, p: np.ndarray,
+            latency: float, draft_costs: list[float], verify_slopes: list[float]) -> list[dict]:
+    """`trees`' policies tuned again on its rounds for each cost curve of the grid
+    (`CostModel.scaled`: draft steps times a `draft_costs` entry, passes above a one-token
+    step times a `verify_slopes` entry), with `family`'s p (and `latency`) only: where on
+    other machines' curves its tree would beat the best static shape and the confidence tree,
+    with no retraining (`replay.regimes`)."""
     out = []
     for draft, slope in tqdm(list(product(draft_costs, verify_slopes)), desc="regimes",
                              unit="curve"):
-        scaled = costs.scaled(draft, slope)
-        comparison = compare(train, val, scaled, q_token, {family: (p, latency)})
+        scaled = trees.costs.scaled(draft, slope)
+        comparison = _tuned(trees.replay, trees.train_replay, trees.replay_rows, scaled, q_token,
+                            {family: (p, latency)})
         static, speed = comparison.best_static, comparison.tuned[family].result.speedup
         out.append({"draft_cost": draft, "verify_slope": slope,
                     "c": scaled.draft.step / scaled.target.step,

@@ -188,6 +188,8 @@ def test_a_lookup_branch_is_for_tree_rounds_only() -> None:
 class FixedDraft:
     """A draft whose every step proposes 11 (most likely), then 12, whatever it is fed."""
 
+    vocab_ids = None
+
     def step(self, tree: Tree, level: int, ids: torch.Tensor, root_position: int
              ) -> torch.Tensor:
         logits = torch.full((30,), -20.0)

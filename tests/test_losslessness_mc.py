@@ -30,7 +30,7 @@ import torch
 from scipy.stats import chi2
 
 from specstop.decoder.costs import CostCurve
-from specstop.decoder.drafter import ModelDrafter, draft_children
+from specstop.decoder.drafter import ModelDrafter, draft_children, draft_level
 import specstop.decoder.verify as verify
 from specstop.decoder.loop import DecodeConfig, generate
 from specstop.decoder.methods import round_method
@@ -52,8 +52,9 @@ WORKERS = 2
 class TableLM:
     """Stand-in for `KVModel`: the logits after a token are table[token]; the cache is a length."""
 
-    def __init__(self, table: torch.Tensor) -> None:  # [V+1, V+1] float32 logits
-        self.table = table
+    def __init__(self, table: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> None:
+        self.table = table  # [V+1, V+1] float32 logits
+        self.vocab_ids = vocab_ids  # a pruned draft's tokens (the rest of its logits -inf)
         self.vocab_size = table.shape[1]
         self.device = table.device
         self.dtype = table.dtype
@@ -124,7 +125,8 @@ class Run:
     seed: int  # tables
     min_transitions: int  # over all chunks
     lossy_tables: bool = False
-    pruned_draft: bool = False  # the draft gives tokens outside a pruned vocabulary q = 0
+    pruned_draft: bool = False  # the draft gives tokens outside a pruned vocabulary q = 0 (and
+    # names the rest, its support, as a pruned head's `KVModel` does)
     policy: TreePolicy | None = None  # the `tree` method's
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +143,9 @@ def decode_chunk(run: Run, chunk: int, n_chunks: int) -> np.ndarray:
     torch.set_num_threads(1)
     target, draft = run.tables()
     lm = TableLM(target)
-    drafter = ModelDrafter(TableLM(draft)) if round_method(run.config.method).drafts else None
+    support = torch.isfinite(draft).all(dim=0).nonzero()[:, 0] if run.pruned_draft else None
+    drafter = ModelDrafter(TableLM(draft, support)) \
+        if round_method(run.config.method).drafts else None
     generator = torch.Generator().manual_seed(1000 * run.seed + chunk)
     prompt = torch.tensor([BOS])
     rows, transitions = [], 0
@@ -315,10 +319,11 @@ def test_lossless_at_1e4_transitions(pool: ProcessPoolExecutor, method: str,
                    tv_max=0.03, first_tv_max=0.1)
 
 
-@pytest.mark.parametrize("method", ["sd", "mcsd-wor"])
+@pytest.mark.parametrize("method", ["sd", "mcsd-wor", "tree-counts"])
 def test_pruned_vocabulary_draft_is_lossless(pool: ProcessPoolExecutor, method: str) -> None:
-    """A draft with a pruned output vocabulary (q = 0 outside it): the target's tokens outside
-    the draft's vocabulary still come out at their exact rate, through the residual."""
+    """A draft with a pruned output vocabulary (q = 0 outside it, its candidates drawn over
+    its support: `drafter.draft_level`): the target's tokens outside the draft's vocabulary
+    still come out at their exact rate, through the residual."""
     run = replace(run_for(method, 1.0, 1.0, seed=3, n=20_000), pruned_draft=True)
     decode_and_fit(pool, run, tv_max=0.02, first_tv_max=0.06)
 
@@ -440,3 +445,27 @@ def test_draft_children_draw_the_documented_tuple_distribution(without_replaceme
     padded = draft_children(tiny.expand(1000, 4), 3, Sampling(1.0), True,
                             torch.Generator().manual_seed(4))
     assert torch.all(tiny[0, padded[:, 2]] == 0) and torch.all(tiny[0, padded[:, :2]] > 0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_level_drawn_over_the_drafts_support_is_drawn_from_q(temperature: float) -> None:
+    """`draft_level` warps and draws a pruned head's level over its support only: its q is the
+    full vocabulary's warp, its candidates lie in the support (greedy: the full top-k), and the
+    first candidate comes out at q's rates."""
+    support = torch.tensor([0, 2, 3, 5])
+    logits = torch.full((1, 7), float("-inf"))
+    logits[0, support] = torch.tensor([0.2, 1.5, -0.4, 0.9])
+    sampling = Sampling(temperature)
+    n = 100_000 if temperature else 1
+    level = draft_level(logits.expand(n, 7), support, 2, sampling, True,
+                        torch.Generator().manual_seed(5))
+    q = warp(logits, sampling)[0]
+    assert torch.allclose(level.q, q.expand(n, 7), atol=1e-7, rtol=0)
+    assert torch.equal(level.tokens, support[level.columns])
+    assert torch.equal(level.support_q, level.q[:, support])
+    if not temperature:
+        assert level.tokens.tolist() == [q.topk(2).indices.tolist()]
+        return
+    counts = np.bincount(level.tokens[:, 0].numpy(), minlength=7).astype(float)
+    fit = fit_rows(counts[None], q.double().numpy()[None])
+    assert fit.impossible == 0 and fit.p_value > 1e-3 and fit.tv < 0.01, fit

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, TypeVar
 import pytest
 import torch
 
-import specstop.decoder.dynamic as dynamic
+import specstop.decoder.drafter as drafter
 import specstop.decoder.verify as verify
 from specstop.decoder.contracts import Proposal
 from specstop.decoder.costs import CostCurve
@@ -653,6 +653,7 @@ class BigramDraft:
     """A drafter whose logits after token a are log q[a] (nothing cached)."""
 
     target_layers: tuple[int, ...] = ()
+    vocab_ids = None
 
     def __init__(self, q: torch.Tensor) -> None:  # [V, V]
         self.logits = q.log()
@@ -662,7 +663,7 @@ class BigramDraft:
 
 
 class ScriptedChildren:
-    """Replaces `dynamic.draft_children`: each fed node's candidates are the tuple a script picks
+    """Replaces `drafter.draft_children`: each fed node's candidates are the tuple a script picks
     among the `candidate_tuples` of its q (the first once the script is exhausted); records how
     many tuples each pick chose from and the picks' joint probability."""
 
@@ -743,7 +744,7 @@ def test_dynamic_tree_emits_the_target_bigram(scripted: ScriptedUniform,
                                               branching: tuple[int, int], wor: bool,
                                               eos_id: int | None) -> None:
     children = ScriptedChildren(wor)
-    monkeypatch.setattr(dynamic, "draft_children", children)
+    monkeypatch.setattr(drafter, "draft_children", children)
     joint, expected, shapes = dynamic_joint(scripted, children, branching, eos_id)
     assert len(shapes) > 2  # the shape followed the candidates
     assert torch.allclose(joint, expected, atol=DYNAMIC_TOL, rtol=0), \
@@ -757,7 +758,7 @@ def test_pruning_a_sampled_dynamic_tree_is_biased(scripted: ScriptedUniform,
     """Negative control (tree_rule.py): verifying only the candidates whose own survival is
     worth it changes the output distribution when sampling; hence `exact_under`."""
     children = ScriptedChildren(True)
-    monkeypatch.setattr(dynamic, "draft_children", children)
+    monkeypatch.setattr(drafter, "draft_children", children)
     monkeypatch.setattr(TreeRule, "exact_under", lambda rule, greedy: rule)
     joint, expected, _ = dynamic_joint(scripted, children, (2, 2), None, rule)
     assert abs(float(joint.sum()) - 1.0) < DYNAMIC_TOL
@@ -772,7 +773,7 @@ def test_sampling_tree_rule_emits_the_target_bigram(scripted: ScriptedUniform,
     """The sampling rule (`tree_rule.children` with r) is exact: the count of candidates tested
     at a node never depends on their draws."""
     children = ScriptedChildren(wor)
-    monkeypatch.setattr(dynamic, "draft_children", children)
+    monkeypatch.setattr(drafter, "draft_children", children)
     joint, expected, shapes = dynamic_joint(scripted, children, (2, 2), eos_id, SAMPLING_RULE)
     assert len(shapes) > 2  # the counts followed the candidates
     assert torch.allclose(joint, expected, atol=DYNAMIC_TOL, rtol=0), \
