@@ -170,6 +170,8 @@ class SamplingComparison(Ranking):
     tuned: dict[str, Tuned]
     rules: dict[str, TreeRule]  # the sampling rules, by policy name
     families: tuple[str, ...]
+    ceiling: Tuned  # the sampling rule with each node's exact acceptance as its p: a perfect
+    # predictor's (not decodable: it reads the target's distributions), what no model beats
 
     def metrics(self) -> dict:
         """metrics/train.json's `replay.sampling`."""
@@ -178,7 +180,9 @@ class SamplingComparison(Ranking):
                "best_static": {"method": self.best_static, "simulated_speedup": static},
                "policies": {n: {**t.result.as_dict(), **t.setting,
                                 "vs_best_static": t.result.speedup / static}
-                            for n, t in self.tuned.items()}}
+                            for n, t in self.tuned.items()},
+               "ceiling": {**self.ceiling.result.as_dict(), **self.ceiling.setting,
+                           "vs_best_static": self.ceiling.result.speedup / static}}
         if self.winner is not None:
             out["winner"] = {**self.winner_entry(),
                              "vs_ar": self.tuned[self.winner].result.speedup}
@@ -194,17 +198,21 @@ def compare_sampling(train: pd.DataFrame, val: pd.DataFrame, costs: CostModel,
                      q_token: np.ndarray, families: dict[str, tuple[np.ndarray, float]],
                      temperature: float) -> SamplingComparison:
     """Every tree policy on the sampled val rows (`compare`'s arguments, rows of one
-    temperature); the sampling rule's rank table is fitted on the sampled train rows."""
+    temperature); the sampling rule's rank table is fitted on the sampled train rows; the
+    ceiling: the rule tuned with the rows' exact `accept_prob` as p."""
     shape = branching(costs)
     replay = TreeReplay.from_rows(val, shape)
     table = TreeReplay.from_rows(train, shape).rank_acceptance()
-    tuned, rules = dict(best_static(replay, _tree_costs(costs, replay, 0.0))), {}
+    base = _tree_costs(costs, replay, 0.0)
+    tuned, rules = dict(best_static(replay, base)), {}
     start = max(t.result.speedup for t in tuned.values())
     for name, (p, latency) in {CONFIDENCE_TREE: (q_token, 0.0), **families}.items():
         tuned[name], rule = tune_sampling(name, replay, p, _tree_costs(costs, replay, latency),
                                           table, start)
         rules[name] = rule.exact_under(greedy=False)  # verifies every node it drafts
-    return SamplingComparison(temperature, tuned, rules, tuple(families))
+    ceiling, _ = tune_sampling("ceiling", replay, val["accept_prob"].to_numpy(np.float64), base,
+                               table, start)
+    return SamplingComparison(temperature, tuned, rules, tuple(families), ceiling)
 
 
 def branching(costs: CostModel) -> tuple[int, ...]:

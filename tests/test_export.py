@@ -89,6 +89,10 @@ def test_files_carry_their_metadata(exported):
     sampled = replay["sampling"]
     assert sampled["temperature"] == 0.7 and sampled["winner"]["family"] in summary["families"]
     assert sampled["best_static"]["method"] in sampled["policies"]
+    # the ceiling: the same rule knowing each node's exact acceptance, above every model's
+    best = max(sampled["policies"][n]["simulated_speedup"]
+               for n in ("confidence_tree", *summary["families"]))
+    assert sampled["ceiling"]["simulated_speedup"] >= best
     # T 1.0 replayed for the report: its own tuned policies, not the exported rule
     hot = replay["sampling_at"]["1"]
     assert hot["temperature"] == 1.0 and hot["best_static"]["method"] in hot["policies"]

@@ -309,6 +309,7 @@ def test_the_static_fallback_needs_the_shape_to_beat_the_tree_and_ar(speeds, nam
 
     comparison = SamplingComparison(0.7, {
         "static_tree": tuned("static_tree", static, {"widths": [3, 1, 1], "depth": 2}),
-        "logistic": tuned("logistic", tree, {"expand": 0.1})}, {}, ("logistic",))
+        "logistic": tuned("logistic", tree, {"expand": 0.1})}, {}, ("logistic",),
+        tuned("ceiling", max(speeds), {"expand": 0.1}))
     fallback = comparison.static_fallback("logistic", tree)
     assert fallback == ({"widths": [3, 1, 1], "depth": 2, "speedup": static} if named else None)
