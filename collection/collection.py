@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -140,11 +140,11 @@ def collect(runtime: Runtime, parts: list[Part], config: DecodeConfig, collect: 
 
 
 def _round_overhead(runtime: Runtime, parts: list[Part], config: DecodeConfig,
-                    collect: CollectConfig, table: dict) -> dict[str, dict[str, float]]:
-    """`ar` steps a drafted round spends outside its passes and decisions beyond an `ar` round
-    (`overhead.round_overhead`), by kind of round ("tree", "static"), greedy and at the first
-    sampled temperature, on the first `overhead_prompts` val prompts (any split's without
-    val); {} without a draft."""
+                    collect: CollectConfig, table: dict) -> dict[str, dict[str, dict]]:
+    """The host work a drafted round spends beyond an `ar` round's (`overhead.round_overhead`:
+    {"base", "per_level"} in `ar` steps), by kind of round ("tree", "static"), greedy and at
+    the first sampled temperature, on the first `overhead_prompts` val prompts (any split's
+    without val); {} without a draft."""
     texts = [t for p in sorted(parts, key=lambda p: p.split != "val") for t in p.texts]
     if runtime.drafter is None or not collect.overhead_prompts or not texts:
         return {}
@@ -157,8 +157,8 @@ def _round_overhead(runtime: Runtime, parts: list[Part], config: DecodeConfig,
         configs["sampled"] = replace(config, sampling=Sampling(sampled[0], collect.top_p))
     out: dict[str, dict[str, float]] = {}
     for decoding, decode in configs.items():
-        for kind, steps in round_overhead(runtime, prompts, decode, policy).items():
-            out.setdefault(kind, {})[decoding] = steps
+        for kind, work in round_overhead(runtime, prompts, decode, policy).items():
+            out.setdefault(kind, {})[decoding] = asdict(work)
     return out
 
 

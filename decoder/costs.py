@@ -18,7 +18,7 @@
   target pass by width (the runtime's `VerifyCosts` where one applies, else measured at the
   tree's sizes), draft step by level width, decision latency.
 - `CostModel`: that table as the replay reads it: the target's and the draft's curves, and
-  what a drafted tree round spends outside them (`overhead.py`).
+  what a drafted tree round spends outside them (`RoundWork`, measured by `overhead.py`).
 """
 
 from __future__ import annotations
@@ -241,6 +241,20 @@ def _decision_seconds(vocab: int, width: int, repeats: int) -> float:
 
 
 @dataclass(frozen=True)
+class RoundWork:
+    """`ar` steps a drafted round spends on the host outside its passes and decisions, beyond
+    what an `ar` round spends: a base per round plus a term per level drafted
+    (`overhead.round_overhead`), so a shallow round is not charged for levels it skips."""
+
+    base: float = 0.0
+    per_level: float = 0.0
+
+    def at(self, levels: float | np.ndarray) -> float | np.ndarray:
+        """The work of a drafted round of `levels` levels."""
+        return self.base + self.per_level * levels
+
+
+@dataclass(frozen=True)
 class CostModel:
     """`costs.json` (stage `collect`) as the replay reads it: cost curves and the decision."""
 
@@ -248,10 +262,10 @@ class CostModel:
     target: CostCurve  # one target pass by width
     draft: CostCurve  # one draft step by width
     decision: float  # seconds of the features + a threshold decision for one level
-    tree_overhead: tuple[float, float] = (0.0, 0.0)  # `ar` steps a drafted `tree` round
-    # spends outside its passes and decisions beyond an `ar` round, greedy and sampled
-    static_overhead: tuple[float, float] = (0.0, 0.0)  # the same for a static tree's round
-    # (`overhead.py`)
+    tree_overhead: tuple[RoundWork, RoundWork] = (RoundWork(), RoundWork())  # a drafted
+    # `tree` round's host work, greedy and sampled
+    static_overhead: tuple[RoundWork, RoundWork] = (RoundWork(), RoundWork())  # the same for
+    # a static tree's round (`overhead.py`)
 
     @classmethod
     def load(cls, path: Path) -> "CostModel":
@@ -279,10 +293,9 @@ class CostModel:
         """Seconds of `ar`'s step, the unit of every cost here (`CostCurve.ar_seconds`)."""
         return self.target.ar_seconds
 
-    def overhead(self, sampled: bool, static: bool = False) -> float:
-        """`ar` steps a drafted round (a `tree` round; a `static` tree's) spends outside its
-        passes and decisions, beyond what an `ar` round spends (`overhead.round_overhead`; 0 in
-        a table without it)."""
+    def overhead(self, sampled: bool, static: bool = False) -> RoundWork:
+        """The host work of a drafted round (a `tree` round; a `static` tree's), greedy or
+        `sampled` (`overhead.round_overhead`; none in a table without it)."""
         return (self.static_overhead if static else self.tree_overhead)[sampled]
 
     def scaled(self, draft: float = 1.0, verify_slope: float = 1.0) -> "CostModel":
@@ -326,19 +339,29 @@ def _tree_sizes(raw: object) -> tuple[int, ...]:
     return sizes
 
 
-def _overhead_field(raw: object) -> tuple[tuple[float, float], tuple[float, float]]:
+def _overhead_field(raw: object) -> tuple[tuple[RoundWork, RoundWork], ...]:
     """((greedy, sampled) of a `tree` round, the same of a static round) from {"tree": {...},
-    "static": {...}}; a table timing one kind (flat {"greedy", "sampled"}) charges it to both."""
+    "static": {...}}, each {"base", "per_level"} (a plain number: a base alone, as tables from
+    before the per-level term hold); a table timing one kind (flat {"greedy", "sampled"})
+    charges it to both."""
     tree = raw.get("tree", raw) if isinstance(raw, dict) else None
     static = raw.get("static", tree) if isinstance(raw, dict) else None
     if not isinstance(tree, dict) or not isinstance(static, dict):
         raise ValueError(f"field 'round_overhead' must map tree and static rounds, greedy and "
                          f"sampled, to `ar` steps, got {raw!r}")
-    steps = tuple((float(k.get("greedy", 0.0)), float(k.get("sampled", 0.0)))
-                  for k in (tree, static))
-    if not all(math.isfinite(x) for pair in steps for x in pair):
-        raise ValueError(f"field 'round_overhead' must be finite, got {raw!r}")
-    return steps
+    return tuple(tuple(_round_work(kind.get(decoding, 0.0), raw) for decoding in
+                       ("greedy", "sampled")) for kind in (tree, static))
+
+
+def _round_work(raw: object, table: object) -> RoundWork:
+    """A {"base", "per_level"} entry, or a number (a base alone)."""
+    if isinstance(raw, dict) and "base" not in raw:
+        raise ValueError(f"field 'round_overhead' needs a base per round, got {table!r}")
+    work = RoundWork(float(raw["base"]), float(raw.get("per_level", 0.0))) \
+        if isinstance(raw, dict) else RoundWork(float(raw))
+    if not (math.isfinite(work.base) and math.isfinite(work.per_level)):
+        raise ValueError(f"field 'round_overhead' must be finite, got {table!r}")
+    return work
 
 
 def _decision_field(raw: object) -> float:

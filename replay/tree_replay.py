@@ -8,7 +8,7 @@ verifies the ancestor-closed set K yields 1 + |accepted in K| tokens and costs i
 (one per level fed, at the width fed, decision latency included) plus one target pass over
 1 + |K| tokens as the decode loop pays it, padding included, plus the host work of a drafted
 round beyond `ar`'s (`TreeCosts`: the measured `CostCurve`'s prices and `CostModel.overhead`,
-a static shape's round its own, in `ar` steps).  Sampled rounds are scored
+a static shape's round its own, a base and a term per level drafted, in `ar` steps).  Sampled rounds are scored
 by their exact expected tokens given the drafted tree (the verification's draws integrated out,
 not the one logged): each row's `accept_prob` is its exact
 chance of acceptance given its parent was accepted and its earlier siblings were not, which does
@@ -48,7 +48,7 @@ from itertools import product
 import numpy as np
 import pandas as pd
 
-from specstop.decoder.costs import CostModel
+from specstop.decoder.costs import CostModel, RoundWork
 from specstop.decoder.tree import Tree
 from specstop.decoder.tree_rule import TreeRule, children
 
@@ -66,8 +66,10 @@ class TreeCosts:
 
     verify: np.ndarray  # [N + 1] pass over n tokens as the loop pays it (`CostCurve.prices`)
     step: np.ndarray  # [W + 1] draft step feeding w nodes, decision included (index 0: 0)
-    round: float = 0.0  # a drafted round's work outside its passes and decisions, beyond ar's
-    static_round: float = 0.0  # the same for a static shape's round (no per-round selection)
+    round: RoundWork = RoundWork()  # a drafted round's host work outside its passes and
+    # decisions, beyond ar's
+    static_round: RoundWork = RoundWork()  # the same for a static shape's round (no per-level
+    # selection)
 
     @classmethod
     def from_model(cls, costs: CostModel, nodes: int, widths: int, extra: float = 0.0,
@@ -167,9 +169,10 @@ class TreeReplay:
         if chains is not None:
             verified += np.bincount(chains.round_index, chained, self.rounds)
             tokens += np.bincount(chains.round_index, chained & chains.accepted, self.rounds)
+        levels = (fed > 0).sum(axis=1)
         cost = costs.step[fed].sum(axis=1) + costs.verify[1 + verified.astype(np.int64)] \
-            + costs.round * (fed[:, 0] > 0)
-        return TreeResult(*run_means(tokens, cost, self.logged, verified, (fed > 0).sum(axis=1)))
+            + np.where(levels > 0, costs.round.at(levels), 0.0)
+        return TreeResult(*run_means(tokens, cost, self.logged, verified, levels))
 
     def _fed_widths(self, fed_rows: np.ndarray, root: np.ndarray) -> np.ndarray:
         """[R, max_depth] nodes fed per level: the root (0/1), then the fed rows by level."""
@@ -304,7 +307,7 @@ class TreeReplay:
         accepted = np.bincount(self.round_index, self.accepted, self.rounds).astype(np.int64)
         k = np.arange(self.max_depth + 1)
         cost = np.where(k == 0, costs.verify[1],
-                        k * costs.step[1] + costs.verify[1 + k] + costs.round)
+                        k * costs.step[1] + costs.verify[1 + k] + costs.round.at(k))
         rho = 1.0
         for _ in range(iterations):
             value = np.where(k[None, :] <= accepted[:, None], k + 1 - rho * cost[None, :], -np.inf)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from specstop.decoder import costs as costs_module
-from specstop.decoder.costs import CostModel
+from specstop.decoder.costs import CostModel, RoundWork
 from specstop.decoder.drafter import ModelDrafter
 from specstop.drafts.store import DRAFT_META_FILE
 from specstop.decoder.kv import KVModel
@@ -139,8 +139,11 @@ def test_collect_logs_each_temperature_in_parts_of_its_own(tiny_target, tmp_path
     overhead = json.loads((out / "costs.json").read_text())["round_overhead"]
     assert set(overhead) == {"tree", "static"}
     assert all(set(by_temperature) == {"greedy", "sampled"}
-               and all(np.isfinite(list(by_temperature.values())))
+               and all(set(work) == {"base", "per_level"} and np.isfinite(list(work.values())).all()
+                       for work in by_temperature.values())
                for by_temperature in overhead.values())
+    assert CostModel.load(out / "costs.json").overhead(True) == RoundWork(
+        **overhead["tree"]["sampled"])
 
 
 def test_collect_refuses_prompts_the_draft_learned_from(tiny_target, tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specstop.decoder.contracts import Proposal
-from specstop.decoder.costs import CostCurve, CostModel
+from specstop.decoder.costs import CostCurve, CostModel, RoundWork
 from specstop.decoder.loop import score
 from specstop.decoder.sampling import Sampling
 from specstop.decoder.tree import Tree
@@ -116,7 +116,8 @@ def test_the_sweeps_prediction_prices_the_pass_as_the_loop_pays_it():
 
 def test_a_scaled_model_stretches_the_draft_steps_and_the_verify_slope_only():
     draft = CostCurve({1: 0.002, 4: 0.003})
-    model = CostModel((1, 4, 10), MEASURED, draft, 0.001, (0.1, 0.2), (0.05, 0.1))
+    model = CostModel((1, 4, 10), MEASURED, draft, 0.001, (RoundWork(0.1), RoundWork(0.2, 0.1)),
+                      (RoundWork(0.05), RoundWork(0.1)))
     assert model.scaled() == model
     scaled = model.scaled(draft=3.0, verify_slope=4.0)
     assert scaled.draft.seconds == {1: pytest.approx(0.006), 4: pytest.approx(0.009)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 from specstop.common.errors import DataError
-from specstop.decoder import dynamic, overhead
-from specstop.decoder.costs import CostCurve, CostModel
+from specstop.decoder import dynamic, methods, overhead
+from specstop.decoder.costs import CostCurve, CostModel, RoundWork
 from specstop.decoder.kv import KVModel
 from specstop.decoder.methods import DecodeConfig
 from specstop.decoder.overhead import (measuring_policy, outside_per_round, round_overhead,
@@ -63,11 +64,43 @@ def test_host_work_outside_the_passes_is_what_the_overhead_counts(
         return verify_proposal(self, *args)
 
     monkeypatch.setattr(dynamic.DraftedTree, "verify_proposal", slow)
-    outside, passes = outside_per_round(runtime, prompts, config, policy())
-    assert outside >= SLEEP and len(passes) > 0
-    steps = round_overhead(runtime, prompts, config, policy())
-    assert set(steps) == {"tree", "static"} and all(np.isfinite(list(steps.values())))
-    assert steps["tree"] > 0 and steps["tree"] > steps["static"]  # the sleep is the tree's only
+    outside = outside_per_round(runtime, prompts, config, policy())
+    assert outside.seconds >= SLEEP and len(outside.passes) > 0 and outside.levels >= 1
+    work = round_overhead(runtime, prompts, config, policy())
+    assert set(work) == {"tree", "static"}
+    assert all(np.isfinite([w.base, w.per_level]).all() and w.per_level >= 0
+               for w in work.values())
+    assert work["tree"].at(1) > 0 and work["tree"].at(1) > work["static"].at(1)  # the sleep
+    # is the tree's only
+
+
+def test_a_levels_host_work_is_charged_per_level(runtime, prompts, monkeypatch) -> None:
+    """A static round that sleeps in every level it drafts: the fitted line's term per level
+    holds the sleep (in `ar` steps), its base does not."""
+    draft_level = methods.draft_level
+
+    def slow(*args, **kwargs):
+        time.sleep(SLEEP)
+        return draft_level(*args, **kwargs)
+
+    monkeypatch.setattr(methods, "draft_level", slow)
+    step = statistics.median(outside_per_round(runtime, prompts,
+                                               replace(CONFIG, method="ar")).passes)
+    static = round_overhead(runtime, prompts, CONFIG, policy())["static"]
+    assert static.per_level * step == pytest.approx(SLEEP, rel=0.5)
+    assert abs(static.base) * step < SLEEP / 2
+
+
+def test_the_line_goes_through_the_deeper_figure_and_never_falls_per_level() -> None:
+    ar = overhead.Outside(0.010, 0.0, [0.1, 0.1, 0.1])
+    shallow, deep = overhead.Outside(0.012, 1.0, []), overhead.Outside(0.018, 2.5, [])
+    work = overhead._line([shallow, deep], ar)
+    assert work.per_level == pytest.approx(0.04) and work.at(2.5) == pytest.approx(0.08)
+    assert work.at(1.0) == pytest.approx(0.02)
+    falling = overhead._line([overhead.Outside(0.020, 1.0, []), deep], ar)
+    assert falling == RoundWork(pytest.approx(0.08), 0.0)
+    close = overhead._line([overhead.Outside(0.012, 2.4, []), deep], ar)  # too close to fit
+    assert close == RoundWork(pytest.approx(0.08), 0.0)
 
 
 def test_the_static_rounds_decode_the_first_level_then_chains_without_a_dynamic_tree(
@@ -84,11 +117,14 @@ def test_the_static_rounds_decode_the_first_level_then_chains_without_a_dynamic_
         return result
 
     monkeypatch.setattr(overhead, "outside_per_round", counted)
-    steps = round_overhead(runtime, prompts, CONFIG, policy())
-    by_method = {config.method: (config, policy, built) for config, policy, built in calls}
-    static, fixed, built = by_method["mcsd"]
-    assert static.mcsd_branching == (2,) and fixed.gamma == overhead.MEASURING_STATIC_DEPTH
-    assert built == 0 and by_method["tree"][2] > 0 and np.isfinite(steps["static"])
+    work = round_overhead(runtime, prompts, CONFIG, policy())
+    static = [(policy.gamma, built) for config, policy, built in calls
+              if config.method == "mcsd" and config.mcsd_branching == (2,)]
+    assert static == [(1, 0), (overhead.MEASURING_STATIC_DEPTH, 0)]  # no dynamic tree built
+    dynamic_calls = [(config.max_depth, built) for config, _, built in calls
+                     if config.method == "tree"]
+    assert [depth for depth, _ in dynamic_calls] == [1, CONFIG.max_depth]
+    assert all(built > 0 for _, built in dynamic_calls) and np.isfinite(work["static"].base)
 
 
 def test_the_cost_model_reads_the_overhead_and_the_tree_replay_charges_drafted_rounds(
@@ -100,17 +136,25 @@ def test_the_cost_model_reads_the_overhead_and_the_tree_replay_charges_drafted_r
     path = tmp_path / "costs.json"
     path.write_text(json.dumps(raw))
     model = CostModel.load(path)
-    assert model.overhead(False) == 0.05 and model.overhead(True) == 0.2
-    assert model.overhead(False, static=True) == 0.02 and model.overhead(True, static=True) == 0.1
+    assert model.overhead(False) == RoundWork(0.05) and model.overhead(True) == RoundWork(0.2)
+    assert model.overhead(False, static=True) == RoundWork(0.02)  # a base alone: an old table
+    assert model.overhead(True, static=True) == RoundWork(0.1)
     plain = TreeCosts.from_model(model, 4, 2)
-    assert (plain.round, plain.static_round) == (0.05, 0.02)
-    assert TreeCosts.from_model(model, 4, 2, sampled=True).static_round == 0.1
+    assert (plain.round, plain.static_round) == (RoundWork(0.05), RoundWork(0.02))
+    assert TreeCosts.from_model(model, 4, 2, sampled=True).static_round == RoundWork(0.1)
+    per_level = {"tree": {"sampled": {"base": 0.03, "per_level": 0.04}}}
+    path.write_text(json.dumps({**raw, "round_overhead": per_level}))
+    assert CostModel.load(path).overhead(True) == RoundWork(0.03, 0.04)
+    assert CostModel.load(path).overhead(True).at(2) == pytest.approx(0.11)
     path.write_text(json.dumps({**raw, "round_overhead": {"greedy": 0.05}}))
-    assert CostModel.load(path).overhead(False, static=True) == 0.05  # one kind timed: both
+    assert CostModel.load(path).overhead(False, static=True) == RoundWork(0.05)  # one kind
+    # timed: both
     del raw["round_overhead"]
     path.write_text(json.dumps(raw))
-    assert CostModel.load(path).overhead(True) == 0.0  # a table from before the overhead
-    for bad in ({"greedy": "nan"}, {"static": {"sampled": "inf"}}, {"tree": [0.1]}):
+    assert CostModel.load(path).overhead(True) == RoundWork()  # a table from before the overhead
+    for bad in ({"greedy": "nan"}, {"static": {"sampled": "inf"}}, {"tree": [0.1]},
+                {"tree": {"greedy": {"per_level": 0.1}}},
+                {"tree": {"greedy": {"base": 0.1, "per_level": "nan"}}}):
         path.write_text(json.dumps({**raw, "round_overhead": bad}))
         with pytest.raises(DataError, match=r"costs.json: not a cost model .*round_overhead"):
             CostModel.load(path)

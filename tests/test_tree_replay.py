@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from specstop.decoder.costs import RoundWork
 from specstop.decoder.lookup import LOOKUP_FEATURES, LookupModel
 from specstop.decoder.tree import Tree
 from specstop.decoder.tree_rule import TreeRule, children, feed, verify_set
@@ -160,7 +161,7 @@ def test_a_drafted_round_pays_its_kinds_host_overhead_and_a_gated_one_does_not()
     """A static shape's round pays `static_round`, a dynamic tree's `round`."""
     rows = superset_rows(30, seed=2)
     replay = TreeReplay.from_rows(rows, BRANCHING)
-    costs = replace(COSTS, round=0.5, static_round=0.3)
+    costs = replace(COSTS, round=RoundWork(0.5), static_round=RoundWork(0.3))
     chain = shape_nodes(replay.tree, (1, 1, 1), 2)
     rounds = Rounds()
     for _, rnd in rows.groupby(["prompt_id", "round"], sort=False):
@@ -174,9 +175,27 @@ def test_a_drafted_round_pays_its_kinds_host_overhead_and_a_gated_one_does_not()
     gated = replay.dynamic(p, rule, costs, gated=np.ones(replay.rounds, dtype=bool))
     assert gated.speedup == pytest.approx(1.0)  # `ar`: the root alone, no draft, no overhead
     assert replay.dynamic(p, rule, costs).speedup < replay.dynamic(p, rule, COSTS).speedup
-    assert replay.dynamic(p, rule, costs) == replay.dynamic(p, rule, replace(costs,
-                                                                           static_round=0.0))
+    assert replay.dynamic(p, rule, costs) == replay.dynamic(p, rule, replace(
+        costs, static_round=RoundWork()))
     assert replay.oracle(costs).speedup < replay.oracle(COSTS).speedup
+
+
+def test_a_drafted_round_pays_a_base_and_a_term_per_level_it_drafts():
+    rows = superset_rows(30, seed=3)
+    replay = TreeReplay.from_rows(rows, BRANCHING)
+    costs = replace(COSTS, static_round=RoundWork(0.1, 0.2))
+    for depth in (1, 2, 3):
+        chain = shape_nodes(replay.tree, (1, 1, 1), depth)
+        rounds = Rounds()
+        for _, rnd in rows.groupby(["prompt_id", "round"], sort=False):
+            on = rnd[rnd["node"].isin(np.flatnonzero(chain))]
+            levels = on["depth"].max()
+            rounds.add(1 + (on["label"] == 1).sum(),
+                       COSTS.step[1] * levels + COSTS.verify[1 + len(on)] + 0.1 + 0.2 * levels,
+                       1 + (rnd["label"] == 1).sum())
+        assert replay.static(chain, costs).speedup == pytest.approx(rounds.speed(), rel=1e-12)
+    per_level = replace(COSTS, round=RoundWork(0.0, 0.2))
+    assert replay.oracle(per_level).speedup < replay.oracle(COSTS).speedup
 
 
 def logged_walk(easy: np.ndarray, tree: Tree) -> tuple[pd.DataFrame, int]:
