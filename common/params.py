@@ -328,6 +328,8 @@ class StopTrainConfig(Section):
     # collect.temperatures) the tree policies are tuned and replayed at, for the report only
     # (metrics `replay.sampling_at`); the exported sampling rule is `sampling_temperature`'s
     regimes: CostRegimes = CostRegimes()  # the greedy tree replay under other cost curves
+    reach: list[NonNegFloat] = []  # strengths s: the winner's greedy tree with its p's
+    # log-odds moved s toward each val row's outcome (metrics `replay.reach`); []: none
     logistic: LogisticParams = LogisticParams()
     lightgbm: LightGBMParams = LightGBMParams()
     mlp: MLPParams = MLPParams()

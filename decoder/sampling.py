@@ -45,7 +45,8 @@ def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of tokens whose mass reaches top_p (always at least one), renormalised."""
+    """Keep the smallest set of tokens whose mass reaches top_p (always at least one),
+    renormalised."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)

@@ -115,7 +115,8 @@ class DraftDistiller(pl.LightningModule):
             error = F.smooth_l1_loss(predicted.float(), feats[:, 1:], reduction="none").mean(-1)
             feature.append(_masked_mean(error, mask))
             inputs = torch.cat([inputs[:, :1], predicted[:, :-1].float()], dim=1)
-        parts["kl_loss"], parts["feature_loss"] = torch.stack(kl).mean(), torch.stack(feature).mean()
+        parts["kl_loss"] = torch.stack(kl).mean()
+        parts["feature_loss"] = torch.stack(feature).mean()
         return first, batch["response"][:, 1:], top_ids
 
     def training_step(self, batch: dict, _: int) -> torch.Tensor:
@@ -344,7 +345,8 @@ def fit(module: DraftDistiller, train: list[Sequence], val: list[Sequence], fold
                                           save_top_k=1, save_on_train_epoch_end=False)
     trainer = pl.Trainer(
         max_epochs=config.max_epochs, max_time={"minutes": config.max_minutes},
-        accelerator="auto", devices=1, precision=resolve_precision(config.precision, resolve_device("auto")),
+        accelerator="auto", devices=1,
+        precision=resolve_precision(config.precision, resolve_device("auto")),
         logger=logger or False,
         callbacks=[checkpoint, latest,
                    pl.callbacks.EarlyStopping("val_alpha", mode="max", patience=config.patience),

@@ -89,7 +89,8 @@ def _layers(draft: str) -> int:
 
 def _load_drafter(draft: str, target: LoadedModel, dtype: torch.dtype, device: torch.device,
                   cache_dir: Path) -> LoadedDrafter:
-    """A draft folder built by `specstop draft` (either family), or any LM with the same tokenizer."""
+    """A draft folder built by `specstop draft` (either family), or any LM with the same
+    tokenizer."""
     vocab = target.model.config.vocab_size
     meta = read_meta(Path(draft)) if Path(draft).is_dir() else None
     if meta is not None and meta["family"] == "feature":
@@ -122,8 +123,8 @@ def _load_plain(draft: str, tokenizer, vocab: int, target_name: str, dtype: torc
                             f"target's {vocab} (config.json vocab_size); the draft must read "
                             f"every token the target writes")
     if ids is not None and int(ids.max()) >= rows:
-        raise SpecstopError(f"{Path(draft) / DRAFT_META_FILE}: vocab_ids name token {int(ids.max())}, "
-                            f"beyond the draft's vocabulary of {rows}")
+        raise SpecstopError(f"{Path(draft) / DRAFT_META_FILE}: vocab_ids name token "
+                            f"{int(ids.max())}, beyond the draft's vocabulary of {rows}")
     return other.model, ids
 
 

@@ -291,8 +291,9 @@ def _measure(spec: DraftSpec, folder: Path, cfg: DraftConfig, models: ModelsConf
     best_gamma = max(measured, key=measured.get)
     best = results[1 + gammas.index(best_gamma)]
     curve = read_curve(folder / "curve.csv")
-    return {"name": spec.name, "family": spec.family, "layers": spec.layers, "vocab": spec.vocab or "full",
-            "fuse": spec.fuse, "alpha": alpha, "alpha_by_domain": meta.get("alpha_by_domain"),
+    return {"name": spec.name, "family": spec.family, "layers": spec.layers,
+            "vocab": spec.vocab or "full", "fuse": spec.fuse, "alpha": alpha,
+            "alpha_by_domain": meta.get("alpha_by_domain"),
             "alpha_heldout": meta.get("alpha_heldout"),
             "train_alpha": meta.get("train_alpha"), "c": c,
             "predicted_speedup": predicted[best_predicted],

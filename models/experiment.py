@@ -122,6 +122,7 @@ def run(config: StopTrainConfig, store: TrackingStore) -> Report:
                    for t in tqdm(config.replay_temperatures, desc="replay", unit="temperature")}
     ablation = _ablation(entries[trees.winner], dataset, bench, trees) if trees.winner else {}
     regimes = _regimes(config, bench, trees, probabilities)
+    reach = _reach(config, trees, probabilities)
     with tracking.run("baselines") as run_id:
         _log_datasets(dataset, config, ("val",))  # tuned and scored on val only
         _log_baselines(entries, bench, common)
@@ -130,7 +131,7 @@ def run(config: StopTrainConfig, store: TrackingStore) -> Report:
         if entries[name].model is None:
             entries[name].run_id = run_id
     replay = {**trees.metrics(), "sampling": sampling.metrics() if sampling else None,
-              "sampling_at": sampling_at, "regimes": regimes}
+              "sampling_at": sampling_at, "regimes": regimes, "reach": reach}
     metrics = {**_metrics(entries, bench, config), "replay": replay, "ablation": ablation,
                "sanity_floor": _sanity_floor(entries, bench, config.families)}
     winner = trees.winner
@@ -163,6 +164,16 @@ def _regimes(config: StopTrainConfig, bench: Bench, trees: tree_report.TreeCompa
     p, latency = families[trees.winner]
     return tree_report.regimes(trees, confidence_score(bench.X), trees.winner, p, latency,
                                grid.draft_cost, grid.verify_slope)
+
+
+def _reach(config: StopTrainConfig, trees: tree_report.TreeComparison,
+           families: dict[str, tuple[np.ndarray, float]]) -> list[dict]:
+    """The winner's greedy tree with better predictors (`tree_report.reach`, the strengths of
+    `train.reach`; none without a winner or strengths)."""
+    if trees.winner is None or not config.reach:
+        return []
+    p, latency = families[trees.winner]
+    return tree_report.reach(trees, p, latency, config.reach)
 
 
 def _sampling_trees(config: StopTrainConfig, bench: Bench, entries: dict[str, Entry],
@@ -434,6 +445,7 @@ def _save(entries: dict[str, Entry], bench: Bench, dataset: data.Dataset, winner
     _write_plot_data(entries, bench)
     tree_report.write_plot_data(trees, config.plots)
     tree_report.write_regimes(metrics["replay"]["regimes"], config.plots)
+    tree_report.write_reach(metrics["replay"]["reach"], config.plots)
     write_json(config.metrics, metrics)
 
 

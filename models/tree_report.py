@@ -32,7 +32,7 @@ from specstop.replay.lookup_chains import LookupChains, lookup_alone
 from specstop.replay.tree_replay import (WIDTH_GRID, TreeCosts, TreeReplay, TreeResult, Tuned,
                                          best_static, sequoia, tune_dynamic, tune_sampling)
 
-from . import lookup_model, round_gate
+from . import evaluate, lookup_model, round_gate
 
 LOOKUP_ROOM = 16  # chain tokens every tuned rule prices beyond its largest tree (the runtime
 # adds no more than a rule prices)
@@ -277,6 +277,36 @@ def regimes(trees: TreeComparison, q_token: np.ndarray, family: str, p: np.ndarr
                                **{k: v for k, v in comparison.winner_entry().items()
                                   if k.startswith("vs_")}}})
     return out
+
+
+def reach(trees: TreeComparison, p: np.ndarray, latency: float,
+          strengths: list[float]) -> list[dict]:
+    """The winner's greedy tree as its predictor gets better: for each strength s, p's log-odds
+    moved s toward every val row's outcome (+s where the row was accepted, -s elsewhere: a
+    predictor of higher AUC, which reads the labels and so is not decodable), re-tuned as the
+    winner's is (`latency` charged per draft step): the AUC over the tested rows, the speed,
+    and that over the confidence tree's and the best static shape's (`replay.reach`).  What
+    AUC a model would need on these rounds and costs for a given gain."""
+    tested, accepted = trees.replay.tested > 0, trees.replay.accepted
+    logit = np.log(p.clip(1e-6, 1 - 1e-6)) - np.log1p(-p.clip(1e-6, 1 - 1e-6))
+    confidence = trees.tuned[CONFIDENCE_TREE].result.speedup
+    static = trees.tuned[trees.best_static].result.speedup
+    out = []
+    for s in tqdm(strengths, desc="reach", unit="strength"):
+        moved = 1.0 / (1.0 + np.exp(-(logit + s * np.where(accepted, 1.0, -1.0))))
+        speed = trees.tune(f"reach-{s:g}", moved, latency)[0].result.speedup
+        out.append({"strength": s, "auc": evaluate.quality(accepted[tested],
+                                                           moved[tested])["auc"],
+                    "simulated_speedup": speed, "vs_confidence_tree": speed / confidence,
+                    "vs_best_static": speed / static})
+    return out
+
+
+def write_reach(entries: list[dict], folder: Path) -> None:
+    """The reach curve: the winner's tree over the confidence tree's and the best static
+    shape's against its predictor's AUC (`dvc plots`)."""
+    plots.write_csv(folder / "reach.csv", ["auc", "vs_confidence_tree", "vs_best_static"],
+                    [(e["auc"], e["vs_confidence_tree"], e["vs_best_static"]) for e in entries])
 
 
 def write_regimes(entries: list[dict], folder: Path) -> None:

@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     results.add_argument("--readme", type=Path, default=Path("README.md"))
 
     bench = sub.add_parser("bench-decode", help="tokens/s of every method side by side")
-    bench.add_argument("--methods", nargs="+", default=["ar", "sd", "mcsd", "ti-mcsd", "ti-mcsd-lossy"],
+    bench.add_argument("--methods", nargs="+",
+                       default=["ar", "sd", "mcsd", "ti-mcsd", "ti-mcsd-lossy"],
                        help="methods to compare; ti-mcsd-lossy is ti-mcsd --lossy")
     bench.add_argument("--prompts", type=positive_int, default=3,
                        help="number of HumanEval prompts")

@@ -8,9 +8,9 @@ verifies the ancestor-closed set K yields 1 + |accepted in K| tokens and costs i
 (one per level fed, at the width fed, decision latency included) plus one target pass over
 1 + |K| tokens as the decode loop pays it, padding included, plus the host work of a drafted
 round beyond `ar`'s (`TreeCosts`: the measured `CostCurve`'s prices and `CostModel.overhead`,
-a static shape's round its own, a base and a term per level drafted, in `ar` steps).  Sampled rounds are scored
-by their exact expected tokens given the drafted tree (the verification's draws integrated out,
-not the one logged): each row's `accept_prob` is its exact
+a static shape's round its own, a base and a term per level drafted, in `ar` steps).  Sampled
+rounds are scored by their exact expected tokens given the drafted tree (the verification's
+draws integrated out, not the one logged): each row's `accept_prob` is its exact
 chance of acceptance given its parent was accepted and its earlier siblings were not, which does
 not depend on later siblings, so for any K closed under parents and earlier siblings a round
 yields 1 + sum over K of P(parent accepted) * prod over earlier siblings (1 - a) * a (`gain`);

@@ -42,7 +42,8 @@ def params_for(tmp_path, **overrides) -> Params:
 def trained(tmp_path_factory):
     folder = tmp_path_factory.mktemp("train")
     make_collect(folder / "collect", prompts={"train": 24, "val": 8}, rounds=20)
-    params = params_for(folder, regimes={"draft_cost": [1, 4], "verify_slope": [1, 6]})
+    params = params_for(folder, regimes={"draft_cost": [1, 4], "verify_slope": [1, 6]},
+                        reach=[0, 1, 3])
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(folder)
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -106,6 +107,24 @@ def test_the_regimes_retune_the_winner_on_each_cost_curve_of_the_grid(trained):
         table = (config.plots / "regimes" / f"verify_slope_{slope}.csv").read_text().split()
         assert table[0] == "c,winner_vs_confidence_tree,winner_vs_best_static"
         assert len(table) == 3
+
+
+def test_the_reach_retunes_the_winner_with_its_predictor_moved_toward_the_outcomes(trained):
+    folder, config, store, report = trained
+    metrics = json.loads(config.metrics.read_text())
+    replay, winner = metrics["replay"], metrics["replay"]["winner"]["family"]
+    reach = replay["reach"]
+    assert [e["strength"] for e in reach] == [0, 1, 3]
+    own = reach[0]  # strength 0: the winner's own p, tuned as in the comparison
+    assert own["auc"] == pytest.approx(metrics[winner]["auc"])
+    assert own["simulated_speedup"] == pytest.approx(
+        replay["policies"][winner]["simulated_speedup"])
+    assert own["vs_confidence_tree"] == pytest.approx(replay["winner"]["vs_confidence_tree"])
+    assert reach[0]["auc"] < reach[1]["auc"] < reach[2]["auc"] <= 1.0
+    assert own["simulated_speedup"] <= reach[2]["simulated_speedup"] \
+        <= replay["oracle"]["simulated_speedup"]
+    table = (config.plots / "reach.csv").read_text().split()
+    assert table[0] == "auc,vs_confidence_tree,vs_best_static" and len(table) == 4
 
 
 def test_sanity_floor_and_ablation_cover_every_family_and_feature_group(trained):
