@@ -155,7 +155,7 @@ def _round_overhead(runtime: Runtime, parts: list[Part], config: DecodeConfig,
     sampled = [t for t in collect.temperatures if t > 0]
     if sampled:
         configs["sampled"] = replace(config, sampling=Sampling(sampled[0], collect.top_p))
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, dict]] = {}
     for decoding, decode in configs.items():
         for kind, work in round_overhead(runtime, prompts, decode, policy).items():
             out.setdefault(kind, {})[decoding] = asdict(work)

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from scipy.special import expit, logit
 from tqdm import tqdm
 
 from specstop.decoder.costs import CostModel
@@ -288,12 +289,12 @@ def reach(trees: TreeComparison, p: np.ndarray, latency: float,
     and that over the confidence tree's and the best static shape's (`replay.reach`).  What
     AUC a model would need on these rounds and costs for a given gain."""
     tested, accepted = trees.replay.tested > 0, trees.replay.accepted
-    logit = np.log(p.clip(1e-6, 1 - 1e-6)) - np.log1p(-p.clip(1e-6, 1 - 1e-6))
+    log_odds = logit(p.clip(1e-6, 1 - 1e-6))
     confidence = trees.tuned[CONFIDENCE_TREE].result.speedup
     static = trees.tuned[trees.best_static].result.speedup
     out = []
     for s in tqdm(strengths, desc="reach", unit="strength"):
-        moved = 1.0 / (1.0 + np.exp(-(logit + s * np.where(accepted, 1.0, -1.0))))
+        moved = expit(log_odds + s * np.where(accepted, 1.0, -1.0))
         speed = trees.tune(f"reach-{s:g}", moved, latency)[0].result.speedup
         out.append({"strength": s, "auc": evaluate.quality(accepted[tested],
                                                            moved[tested])["auc"],
