@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -75,20 +74,28 @@ def test_host_work_outside_the_passes_is_what_the_overhead_counts(
 
 
 def test_a_levels_host_work_is_charged_per_level(runtime, prompts, monkeypatch) -> None:
-    """A static round that sleeps in every level it drafts: the fitted line's term per level
-    holds the sleep (in `ar` steps), its base does not."""
-    draft_level = methods.draft_level
+    """A static round that sleeps in every level it drafts: its deeper measurement spends the
+    sleep more a level (at least half of it, whatever else shares the host), and the static
+    line is the one through its two measurements."""
+    draft_level, outside = methods.draft_level, overhead.outside_per_round
+    measured = []
 
     def slow(*args, **kwargs):
         time.sleep(SLEEP)
         return draft_level(*args, **kwargs)
 
+    def recorded(*args):
+        measured.append(outside(*args))
+        return measured[-1]
+
     monkeypatch.setattr(methods, "draft_level", slow)
-    step = statistics.median(outside_per_round(runtime, prompts,
-                                               replace(CONFIG, method="ar")).passes)
-    static = round_overhead(runtime, prompts, CONFIG, policy())["static"]
-    assert static.per_level * step == pytest.approx(SLEEP, rel=0.5)
-    assert abs(static.base) * step < SLEEP / 2
+    monkeypatch.setattr(overhead, "outside_per_round", recorded)
+    work = round_overhead(runtime, prompts, CONFIG, policy())
+    ar, shallow, deep = measured[0], *measured[3:]  # ar, `tree` twice, static twice
+    assert shallow.levels == 1 and deep.levels > 1.5
+    assert (deep.seconds - shallow.seconds) / (deep.levels - shallow.levels) > SLEEP / 2
+    assert work["static"] == overhead._line([shallow, deep], ar)
+    assert work["static"].per_level > 0
 
 
 def test_the_line_goes_through_the_deeper_figure_and_never_falls_per_level() -> None:
