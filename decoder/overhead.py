@@ -91,7 +91,17 @@ def round_overhead(runtime: Runtime, prompts: list[torch.Tensor], config: Decode
             for kind, pair in runs.items()}
 
 
-def _line(measured: list["Outside"], ar: "Outside") -> RoundWork:
+@dataclasses.dataclass(frozen=True)
+class Outside:
+    """What the rounds of a decoding spent outside the models' passes and the policy's
+    decisions, the prefills aside."""
+
+    seconds: float  # a round's, on average
+    levels: float  # draft levels a round, on average
+    passes: list[float]  # seconds of each target pass but the prefills
+
+
+def _line(measured: list[Outside], ar: Outside) -> RoundWork:
     """The line through a shallow and a deep measurement's (levels a round, seconds beyond
     `ar`'s in `ar` steps), through the deep one, its per-level term >= 0; flat at the deep
     figure when the two are less than `MIN_LEVEL_SPREAD` levels apart (a tree that seldom
@@ -101,16 +111,6 @@ def _line(measured: list["Outside"], ar: "Outside") -> RoundWork:
     spread = deep[0] - shallow[0]
     per_level = max((deep[1] - shallow[1]) / spread, 0.0) if spread >= MIN_LEVEL_SPREAD else 0.0
     return RoundWork(deep[1] - per_level * deep[0], per_level)
-
-
-@dataclasses.dataclass(frozen=True)
-class Outside:
-    """What the rounds of a decoding spent outside the models' passes and the policy's
-    decisions, the prefills aside."""
-
-    seconds: float  # a round's, on average
-    levels: float  # draft levels a round, on average
-    passes: list[float]  # seconds of each target pass but the prefills
 
 
 def outside_per_round(runtime: Runtime, prompts: list[torch.Tensor], config: DecodeConfig,
