@@ -1,5 +1,6 @@
 """oneDNN-packed linear layers (decoder/kernels.py): same function, row-invariant results, plain
-state dicts, and the decode loop's greedy identity on packed tiny Llamas (fp32)."""
+state dicts, bf16 packed where it is native (bitwise aten's result), and the decode loop's
+greedy identity on packed tiny Llamas (fp32)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from torch import nn
 
 from specstop.decoder.costs import VerifyCosts
 from specstop.decoder.drafter import ModelDrafter
+from specstop.decoder import kernels
 from specstop.decoder.kernels import PackedLinear, kernel_of, pack_linears
+from specstop.decoder.load import cpu_has_bf16
 from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, generate
 from specstop.drafts.families import truncated_draft
@@ -57,11 +60,30 @@ def test_packing_keeps_the_state_dict_and_what_is_built_from_it():
                                truncated_draft(target, 2)(ids).logits)
 
 
-def test_only_fp32_cpu_models_are_packed_and_a_bad_kernel_is_refused():
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_models_are_packed_only_where_bf16_is_native(monkeypatch, native):
+    monkeypatch.setattr(kernels, "cpu_has_bf16", lambda: native)
+    assert kernel_of(pack_linears(tiny_llama(0).to(torch.bfloat16))) == (
+        "onednn" if native else "aten")
+    assert kernel_of(pack_linears(tiny_llama(0).to(torch.float16))) == "aten"
+    assert kernel_of(pack_linears(tiny_llama(0))) == "onednn"
+
+
+def test_the_aten_kernel_packs_nothing_and_a_bad_kernel_is_refused():
     assert kernel_of(pack_linears(tiny_llama(0), "aten")) == "aten"
-    assert kernel_of(pack_linears(tiny_llama(0).to(torch.bfloat16))) == "aten"
     with pytest.raises(ValueError, match="unknown CPU kernel 'mkl'"):
         pack_linears(tiny_llama(0), "mkl")
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="the CPU has no native bf16")
+def test_a_packed_bf16_linear_is_bitwise_aten_s():
+    """Packing bf16 weights changes the speed only: every row's result is aten's, bit for bit."""
+    torch.manual_seed(0)
+    linear = nn.Linear(576, 1536, bias=False).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    for rows in (1, 4, 32):
+        x = torch.randn(1, rows, 576, dtype=torch.bfloat16)
+        assert torch.equal(packed(x), linear(x)), rows
 
 
 @pytest.mark.parametrize("config", [DecodeConfig(method="sd", max_depth=5),
