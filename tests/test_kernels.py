@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
+from specstop.decoder import kernels
 from specstop.decoder.costs import VerifyCosts
 from specstop.decoder.drafter import ModelDrafter
-from specstop.decoder import kernels
 from specstop.decoder.kernels import PackedLinear, kernel_of, pack_linears
 from specstop.decoder.load import cpu_has_bf16
 from specstop.decoder.kv import KVModel
