@@ -76,7 +76,7 @@ def test_the_aten_kernel_packs_nothing_and_a_bad_kernel_is_refused():
 
 
 @pytest.mark.skipif(not cpu_has_bf16(), reason="the CPU has no native bf16")
-def test_a_packed_bf16_linear_is_bitwise_aten_s():
+def test_a_packed_bf16_linear_matches_aten_bitwise():
     """Packing bf16 weights changes the speed only: every row's result is aten's, bit for bit."""
     torch.manual_seed(0)
     linear = nn.Linear(576, 1536, bias=False).to(torch.bfloat16)
