@@ -26,7 +26,7 @@ ORIGINS = ("embedded", "path", "dataset")
 ORIGIN_NAMES = {"embedded": "embedded set", "path": "file", "dataset": "dataset"}
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "batch_size"}  # magpie only
 KEYS = {*ORIGINS, *SAMPLING_KEYS, "name", "field", "template", "max_prompts", "config", "split",
-        "data_files", "held_out"}
+        "data_files", "held_out", "draft_only"}
 FILE_TYPES = (".json", ".jsonl", ".parquet")
 MAGPIE_PROMPTS = 200  # requests a magpie source writes where max_prompts is absent or null
 MAX_NEW_TOKENS = 1024  # the most a magpie request may be sampled to
@@ -59,6 +59,8 @@ class SourceSpec:
     data_files: Any = None  # datasets: data_files
     sampling: Sampling | None = None  # magpie: how the target writes the requests
     held_out: bool = False  # every prompt in the `heldout` split, none in the others
+    draft_only: bool = False  # every prompt in the `draft` split: more for the draft to learn
+    #                           from, the other splits' prompts unmoved
 
     def describe(self) -> str:
         """How messages name the source: its file or dataset, and its field or template."""
@@ -117,16 +119,23 @@ def parse_source(raw: Any, index: int) -> SourceSpec:
     if extra and not magpie:
         raise SpecstopError(f"{where}: {extra[0]} is a key of `embedded: {MAGPIE}` only")
     max_prompts = _max_prompts(raw.get("max_prompts"), where)
-    held_out = raw.get("held_out", False)
-    if not isinstance(held_out, bool):
-        raise SpecstopError(f"{where}: held_out must be true or false, got {held_out!r}")
+    held_out, draft_only = (_flag(raw, key, where) for key in ("held_out", "draft_only"))
+    if held_out and draft_only:
+        raise SpecstopError(f"{where}: give held_out or draft_only, not both")
     return SourceSpec(
         name=str(raw.get("name") or (Path(location).stem if kind == "path" else location)),
         kind=kind, location=location, fields=fields, template=template,
         max_prompts=(max_prompts or MAGPIE_PROMPTS) if magpie else max_prompts,
         config=raw.get("config"), split=str(raw.get("split", "train")),
         data_files=raw.get("data_files"), sampling=_sampling(raw, where) if magpie else None,
-        held_out=held_out)
+        held_out=held_out, draft_only=draft_only)
+
+
+def _flag(raw: dict, key: str, where: str) -> bool:
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise SpecstopError(f"{where}: {key} must be true or false, got {value!r}")
+    return value
 
 
 def _fields(raw: dict, where: str) -> tuple[tuple[str, ...], str | None]:

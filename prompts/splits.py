@@ -3,10 +3,11 @@
 The splits keep every learner on prompts of its own: `draft` teaches the draft (stage `draft`),
 `train` the decision models (stage `collect` logs them), `val` measures both, `test` is the
 bench's; `heldout` holds whole sources of another kind, which only measure the draft (does it
-generalise beyond the kinds of request it learned from?).  The decision models must not learn
-from rounds on prompts the draft was distilled on: it has learned their responses, and its
-acceptance there is not the one decoding meets (`specstop.drafts.store.check_held_out`
-refuses the overlap).
+generalise beyond the kinds of request it learned from?), and a `draft_only` source's prompts
+are all the draft's (more for it to learn from, the other splits' prompts unmoved). The decision
+models must not learn from rounds on prompts the draft was distilled on: it has learned their
+responses, and its acceptance there is not the one decoding meets
+(`specstop.drafts.store.check_held_out` refuses the overlap).
 
 A prompt's id is a hash of its normalised request text, so it does not change when sources are
 added; two requests with the same normalised text are one prompt (the first source keeps it).
@@ -29,7 +30,7 @@ import pyarrow.parquet as pq
 from specstop.common.errors import SpecstopError
 from specstop.common.files import write_atomic, write_json
 
-from .sources import SourceRequests
+from .sources import SourceRequests, SourceSpec
 
 SPLITS = ("draft", "train", "val", "test")  # cut from every source by `prompts.fractions`
 HELD_OUT = "heldout"  # the prompts of the `held_out` sources, whole: no learner sees their kind
@@ -73,7 +74,8 @@ def check_fractions(fractions: dict) -> dict[str, float]:
 def split_prompts(sources: list[SourceRequests], fractions: dict[str, float],
                   seed: int) -> list[Prompt]:
     """Every source's unique prompts (capped), each in one split (a `held_out` source's all in
-    HELD_OUT); duplicates and prompts over the cap are counted in the source's `skipped`."""
+    HELD_OUT, a `draft_only` one's in draft); duplicates and prompts over the cap are counted
+    in the source's `skipped`."""
     seen: set[str] = set()
     prompts = []
     for source in sources:
@@ -84,12 +86,23 @@ def split_prompts(sources: list[SourceRequests], fractions: dict[str, float],
         if cap is not None and len(order) > cap:
             source.skipped[OVER_CAP] += len(order) - cap
             order = order[:cap]
-        splits = [HELD_OUT] * len(order) if source.spec.held_out else \
+        whole = whole_split(source.spec)
+        splits = [whole] * len(order) if whole else \
             [split for split, count in zip(SPLITS, split_counts(len(order), fractions))
              for _ in range(count)]
         prompts += [Prompt(pid, source.spec.name, new[pid], split)
                     for pid, split in zip(order, splits)]
     return prompts
+
+
+def whole_split(spec: SourceSpec) -> str | None:
+    """The one split that takes all of a source's prompts, or None: cut by the fractions."""
+    return HELD_OUT if spec.held_out else "draft" if spec.draft_only else None
+
+
+def _splits_of(spec: SourceSpec) -> tuple[str, ...]:
+    whole = whole_split(spec)
+    return (whole,) if whole else SPLITS
 
 
 def _new_prompts(source: SourceRequests, seen: set[str]) -> dict[str, str]:
@@ -163,7 +176,7 @@ def summarise(sources: list[SourceRequests], prompts: list[Prompt], seed: int,
                 "rows": s.rows,
                 "prompts": sum(per_source[s.spec.name, split] for split in WRITTEN),
                 "splits": {split: per_source[s.spec.name, split]
-                           for split in ((HELD_OUT,) if s.spec.held_out else SPLITS)},
+                           for split in _splits_of(s.spec)},
                 "skipped": dict(sorted(s.skipped.items())),
             } for s in sources},
     }

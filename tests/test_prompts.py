@@ -276,6 +276,26 @@ def test_a_held_out_source_goes_whole_to_the_heldout_split():
         parse_source({"path": "x.json", "field": "q", "held_out": "yes"}, 0)
 
 
+def test_a_draft_only_source_goes_whole_to_the_draft_split():
+    """A `draft_only` source adds to the draft's prompts alone, and the other sources' splits do
+    not move; with `held_out` too it is a one-line error."""
+    kept = requests_source("main", [f"Question {i}?" for i in range(20)])
+    alone = split_prompts([kept], FRACTIONS, seed=0)
+    spec = parse_source({"path": "more.json", "field": "q", "draft_only": True}, 1)
+    more = SourceRequests(spec, 6, ["Question 3?"] + [f"Task {i}." for i in range(5)])
+    prompts = split_prompts([kept, more], FRACTIONS, seed=0)
+    assert prompts[:len(alone)] == alone
+    assert {(p.source, p.split) for p in prompts[len(alone):]} == {("more", "draft")}
+    summary = prompt_splits.summarise([kept, more], prompts, 0, FRACTIONS)
+    assert summary["sources"]["more"]["splits"] == {"draft": 5}
+    assert summary["splits"]["draft"] == 10 + 5 and summary["splits"]["heldout"] == 0
+    with pytest.raises(SpecstopError, match=r"prompts.sources\[2\]: give held_out or "
+                                            "draft_only, not both"):
+        parse_source({"path": "x.json", "field": "q", "held_out": True, "draft_only": True}, 2)
+    with pytest.raises(SpecstopError, match=r"prompts.sources\[0\]: draft_only must be true"):
+        parse_source({"path": "x.json", "field": "q", "draft_only": 1}, 0)
+
+
 def test_cli_prompts_end_to_end(tmp_path: Path, embedded_dir: Path):
     write_records(tmp_path / "local.jsonl", [{"q": f"Local question {i}?"} for i in range(20)]
                   + [{"q": ""}, {"q": "Local question 0?"}])
