@@ -234,9 +234,11 @@ def test_params_files_check_magpie_sources_and_the_profiles_parse():
                               "integer or null")
     raw = read_params_file(ROOT / "params.yaml")
     default = parse_sources(raw["prompts"]["sources"])
-    assert [(s.name, s.max_prompts, s.held_out) for s in default] == \
-        [("humaneval", None, False), ("magpie", 160, False), ("tasks", None, True)]
+    assert [(s.name, s.max_prompts, s.held_out, s.draft_only) for s in default] == \
+        [("humaneval", None, False, False), ("magpie", 160, False, False),
+         ("magpie-draft", 160, False, True), ("tasks", None, True, False)]
     smoke = parse_sources(apply_profile(raw, "smoke")["prompts"]["sources"])
-    assert [(s.name, s.max_prompts, s.held_out) for s in smoke] == \
-        [("humaneval", 40, False), ("magpie", 12, False), ("tasks", 3, True)]
+    assert [(s.name, s.max_prompts, s.held_out, s.draft_only) for s in smoke] == \
+        [("humaneval", 40, False, False), ("magpie", 12, False, False),
+         ("magpie-draft", 6, False, True), ("tasks", 3, True, False)]
     assert smoke[1].sampling.max_new_tokens == 48

@@ -75,7 +75,8 @@ def test_the_default_is_budgeted_and_full_keeps_the_old_sizes():
     both domains in the bench with at least 24 test prompts, the compact peer draft kept."""
     raw = read_params_file(ROOT / "params.yaml")
     default, full = validate(raw), validate(apply_profile(raw, "full"))
-    assert default.bench.prompts >= 24 and set(default.draft.domains) == {"humaneval", "magpie"}
+    assert default.bench.prompts >= 24
+    assert set(default.draft.domains) == {"humaneval", "magpie", "magpie-draft"}
     assert default.collect.max_prompts < full.collect.max_prompts
     assert default.bench.max_new_tokens < full.bench.max_new_tokens == 128
     assert len(full.draft.sweep) == 3 and full.bench.methods and len(full.bench.methods) == 12
