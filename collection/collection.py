@@ -24,7 +24,7 @@ from specstop.common.files import remove_temp_files, resume_or_set_aside, write_
 from specstop.common.params import CollectConfig, ModelsConfig
 from specstop.decoder.costs import CostCurve, VerifyCosts, measure_costs
 from specstop.decoder.loop import DecodeConfig, DecodeStats, tree_for
-from specstop.decoder.overhead import measuring_policy, round_overhead
+from specstop.decoder.overhead import Curves, measuring_policy, round_overhead
 from specstop.decoder.policy import FixedDepth
 from specstop.decoder.runtime import Runtime
 from specstop.decoder.sampling import Sampling
@@ -141,23 +141,24 @@ def collect(runtime: Runtime, parts: list[Part], config: DecodeConfig, collect: 
 
 def _round_overhead(runtime: Runtime, parts: list[Part], config: DecodeConfig,
                     collect: CollectConfig, table: dict) -> dict[str, dict[str, dict]]:
-    """The host work a drafted round spends beyond an `ar` round's (`overhead.round_overhead`:
-    {"base", "per_level"} in `ar` steps), by kind of round ("tree", "static"), greedy and at
-    the first sampled temperature, on the first `overhead_prompts` val prompts (any split's
-    without val); {} without a draft."""
+    """The work a drafted round spends beyond an `ar` round's that the table's curves do not
+    price (`overhead.round_overhead`: {"base", "per_level"} in `ar` steps), by kind of round
+    ("tree", "static"), greedy and at the first sampled temperature, on the first
+    `overhead_prompts` val prompts (any split's without val); {} without a draft."""
     texts = [t for p in sorted(parts, key=lambda p: p.split != "val") for t in p.texts]
     if runtime.drafter is None or not collect.overhead_prompts or not texts:
         return {}
     prompts = [runtime.encode(t, chat=False, special_tokens=False)
                for t in texts[: collect.overhead_prompts]]
-    policy = measuring_policy(tree_for(config).branching, CostCurve(table["target"]["seconds"]))
+    curves = Curves(CostCurve(table["target"]["seconds"]), CostCurve(table["draft"]["seconds"]))
+    policy = measuring_policy(tree_for(config).branching, curves.target)
     configs = {"greedy": config}
     sampled = [t for t in collect.temperatures if t > 0]
     if sampled:
         configs["sampled"] = replace(config, sampling=Sampling(sampled[0], collect.top_p))
     out: dict[str, dict[str, dict]] = {}
     for decoding, decode in configs.items():
-        for kind, work in round_overhead(runtime, prompts, decode, policy).items():
+        for kind, work in round_overhead(runtime, prompts, decode, policy, curves).items():
             out.setdefault(kind, {})[decoding] = asdict(work)
     return out
 

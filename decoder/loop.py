@@ -58,6 +58,7 @@ class DecodeStats:
     verified_tokens: int = 0  # drafted nodes in the target passes (fewer when `tree` prunes)
     accepted: int = 0  # drafted tokens accepted
     seconds: float = 0.0
+    prefill_seconds: float = 0.0  # of `seconds`: the prompt into both caches, before any round
     decision_seconds: float = 0.0  # wall time of the policy's decisions
     gated: int = 0  # rounds the round gate kept from drafting (the root alone, or a chain)
     accepted_per_round: list[int] = field(default_factory=list)
@@ -66,6 +67,11 @@ class DecodeStats:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def round_seconds(self) -> float:
+        """`seconds` less the prefill: the rounds', which the replay prices."""
+        return self.seconds - self.prefill_seconds
 
     @property
     def mean_accepted(self) -> float:
@@ -106,7 +112,7 @@ class DecodeStats:
         """Accumulate another generation's counts (per-round history is not kept)."""
         for name in ("new_tokens", "target_calls", "draft_steps", "drafted_levels",
                      "drafted_tokens", "verified_tokens", "accepted", "seconds",
-                     "decision_seconds", "gated"):
+                     "prefill_seconds", "decision_seconds", "gated"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def summary(self) -> str:
@@ -181,6 +187,9 @@ def generate(
     target.reserve(prompt.shape[0] + config.max_new_tokens + tree.size(tree.max_depth))
     r = prefill(target, drafter, prompt, config.sampling)
     stats.target_calls += 1
+    if r.device.type == "cuda":  # its kernels timed as the prefill's, not the first round's
+        torch.cuda.synchronize(r.device)
+    stats.prefill_seconds = time.perf_counter() - start
     while True:
         # 1. Roots, on the device: exact methods emit one draw from r (with the round's path, at
         # step 5); lossy ti-mcsd's top-W roots compete.

@@ -1,13 +1,16 @@
-"""What a drafted round spends outside the models' passes, which the cost curves do not hold.
+"""What a drafted round spends beyond what the cost curves price.
 
 The cost model (`costs.py`) prices a round as its target pass, its draft steps and its
 decisions, each timed alone.  A drafted round also draws, picks its trees and masks, verifies
 and commits on the host: on a 2-core CPU a few ms a round beyond what an `ar` round spends,
-against a 50 ms target step (README, Collect).
-`round_overhead` measures it for both kinds of drafted round: the same prompts decoded by `ar`,
-by `tree` (EAGLE-2's confidence tree) and by a static tree (`mcsd` drafting a fixed shape), every
-pass of either model timed where the curves time one (`KVModel.extend` and
-`extend_with_hidden`), the decisions by the loop; a round's remaining seconds, less an `ar`
+against a 15-50 ms target step (README, Collect).  And its passes cost more inside a decode than
+alone: a tree's target pass about 5% over the curve where `ar`'s is within 2% (stop 53, bf16 on
+the AMD host), the draft's steps and the host work between them evicting each other's caches.
+`round_overhead` measures both for both kinds of drafted round: the same prompts decoded by
+`ar`, by `tree` (EAGLE-2's confidence tree) and by a static tree (`mcsd` drafting a fixed
+shape), every pass of either model timed and priced by the curves where the replay prices one
+(`KVModel.extend` and `extend_with_hidden`, at the width it fed), the decisions by the loop; a
+round's seconds (the prefill aside) less its passes' prices and its decisions, less an `ar`
 round's, in `ar` steps.  A static round spends less than a `tree` round (no per-level
 selection, no fed and verified trees to gather), so the replay charges each its own.  Each
 level drafted costs host work too (a sampled level about 1-1.5 ms: warp, draws, features), so
@@ -18,7 +21,6 @@ level it drafts (`costs.RoundWork`).
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -42,17 +44,18 @@ MIN_LEVEL_SPREAD = 0.25  # levels a round between a kind's two measurements belo
 
 
 @contextmanager
-def timed_passes(*models: KVModel) -> Iterator[list[list[float]]]:
-    """Seconds of every pass each model makes inside the block, one list per model."""
-    times: list[list[float]] = [[] for _ in models]
+def timed_passes(*models: KVModel) -> Iterator[list[list[tuple[int, float]]]]:
+    """(tokens fed, seconds) of every pass each model makes inside the block, one list per
+    model."""
+    times: list[list[tuple[int, float]]] = [[] for _ in models]
 
-    def clocked(lm: KVModel, call: Callable, into: list[float]) -> Callable:
-        def run(*args, **kwargs):
+    def clocked(lm: KVModel, call: Callable, into: list[tuple[int, float]]) -> Callable:
+        def run(ids: torch.Tensor, *args, **kwargs):
             start = time.perf_counter()
-            out = call(*args, **kwargs)
+            out = call(ids, *args, **kwargs)
             if lm.device.type == "cuda":
                 torch.cuda.synchronize(lm.device)
-            into.append(time.perf_counter() - start)
+            into.append((ids.shape[0], time.perf_counter() - start))
             return out
         return run
 
@@ -74,39 +77,56 @@ def measuring_policy(branching: tuple[int, ...], costs: CostCurve) -> Confidence
 
 
 def round_overhead(runtime: Runtime, prompts: list[torch.Tensor], config: DecodeConfig,
-                   policy: ConfidenceTree) -> dict[str, RoundWork]:
-    """{"tree": a drafted `tree` round's, "static": a static round's} host work beyond an `ar`
-    round's (`RoundWork`, `ar` steps), decoding `prompts` ([L] ids; the first also warms up)
-    as `config` says (its sampling, budget and depth), each kind cut at one level and deeper:
-    the `tree` rounds with `policy` to `config`'s depth, the static ones with `config`'s first
-    level then chains to `MEASURING_STATIC_DEPTH` (`_line`)."""
-    ar = outside_per_round(runtime, prompts, dataclasses.replace(config, method="ar"))
+                   policy: ConfidenceTree, curves: Curves) -> dict[str, RoundWork]:
+    """{"tree": a drafted `tree` round's, "static": a static round's} work beyond an `ar`
+    round's that the `curves` do not price (`RoundWork`, `ar` steps), decoding `prompts` ([L]
+    ids; the first also warms up) as `config` says (its sampling, budget and depth), each kind
+    cut at one level and deeper: the `tree` rounds with `policy` to `config`'s depth, the static
+    ones with `config`'s first level then chains to `MEASURING_STATIC_DEPTH` (`_line`)."""
+    def unpriced(run: DecodeConfig, by: ConfidenceTree | FixedDepth | None = None) -> Outside:
+        return outside_per_round(runtime, prompts, run, curves, by)
+
+    ar = unpriced(dataclasses.replace(config, method="ar"))
     tree = dataclasses.replace(config, method="tree", lookup_branch=False)
     static = dataclasses.replace(config, method="mcsd", mcsd_branching=config.mcsd_branching[:1],
                                  lookup_branch=False)
     deep = FixedDepth(min(MEASURING_STATIC_DEPTH, config.max_depth))
     runs = {"tree": [(dataclasses.replace(tree, max_depth=1), policy), (tree, policy)],
             "static": [(static, FixedDepth(1)), (static, deep)]}
-    return {kind: _line([outside_per_round(runtime, prompts, *run) for run in pair], ar)
+    return {kind: _line([unpriced(*run) for run in pair], ar, curves.target.ar_seconds)
             for kind, pair in runs.items()}
 
 
 @dataclasses.dataclass(frozen=True)
+class Curves:
+    """The cost curves the replay prices passes by: the target's, the draft's (seconds)."""
+
+    target: CostCurve
+    draft: CostCurve
+
+    def target_pass(self, width: int) -> float:
+        """Seconds the replay charges a target pass over `width` tokens (already padded)."""
+        return self.target.price(width) * self.target.ar_seconds
+
+    def draft_step(self, width: int) -> float:
+        """Seconds the replay charges a draft step feeding `width` tokens, decision aside."""
+        return self.draft.at(width) * self.draft.step
+
+
+@dataclasses.dataclass(frozen=True)
 class Outside:
-    """What the rounds of a decoding spent outside the models' passes and the policy's
+    """What the rounds of a decoding spent beyond their passes' prices and the policy's
     decisions, the prefills aside."""
 
     seconds: float  # a round's, on average
     levels: float  # draft levels a round, on average
-    passes: list[float]  # seconds of each target pass but the prefills
 
 
-def _line(measured: list[Outside], ar: Outside) -> RoundWork:
+def _line(measured: list[Outside], ar: Outside, step: float) -> RoundWork:
     """The line through a shallow and a deep measurement's (levels a round, seconds beyond
-    `ar`'s in `ar` steps), through the deep one, its per-level term >= 0; flat at the deep
-    figure when the two are less than `MIN_LEVEL_SPREAD` levels apart (a tree that seldom
-    drafts a second level)."""
-    step = statistics.median(ar.passes)
+    `ar`'s in `ar` steps of `step` seconds), through the deep one, its per-level term >= 0; flat
+    at the deep figure when the two are less than `MIN_LEVEL_SPREAD` levels apart (a tree that
+    seldom drafts a second level)."""
     shallow, deep = ((m.levels, (m.seconds - ar.seconds) / step) for m in measured)
     spread = deep[0] - shallow[0]
     per_level = max((deep[1] - shallow[1]) / spread, 0.0) if spread >= MIN_LEVEL_SPREAD else 0.0
@@ -114,16 +134,21 @@ def _line(measured: list[Outside], ar: Outside) -> RoundWork:
 
 
 def outside_per_round(runtime: Runtime, prompts: list[torch.Tensor], config: DecodeConfig,
-                      policy: ConfidenceTree | FixedDepth | None = None) -> Outside:
-    """`prompts` decoded as `config` says (the first also warms up), timed outside the passes."""
+                      curves: Curves, policy: ConfidenceTree | FixedDepth | None = None
+                      ) -> Outside:
+    """`prompts` decoded as `config` says (the first also warms up): each round's seconds
+    beyond what `curves` price its passes at (every target pass but the prefill, the draft's
+    last `draft_steps`: the rounds') and its decisions."""
     models = [runtime.target] + [m for m in [runtime.draft] if m not in (None, runtime.target)]
     runtime.generate(prompts[0], config, policy)  # warm-up
-    seconds, rounds, levels, passes = 0.0, 0, 0, []
+    seconds, rounds, levels = 0.0, 0, 0
     for prompt in prompts:
         with timed_passes(*models) as times:
             stats = runtime.generate(prompt, config, policy).stats
-        seconds += stats.seconds - sum(map(sum, times)) - stats.decision_seconds
+        target, draft = times[0][1:], (times[1:] or [[]])[0]
+        priced = sum(curves.target_pass(w) for w, _ in target) + sum(
+            curves.draft_step(w) for w, _ in draft[len(draft) - stats.draft_steps:])
+        seconds += stats.round_seconds - priced - stats.decision_seconds
         rounds += stats.target_calls - 1  # the prefill is not a round
         levels += stats.drafted_levels
-        passes += times[0][1:]
-    return Outside(seconds / max(rounds, 1), levels / max(rounds, 1), passes)
+    return Outside(seconds / max(rounds, 1), levels / max(rounds, 1))

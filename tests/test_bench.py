@@ -1,6 +1,6 @@
 """Stage `bench` end to end on tiny random models (draft = target, so every drafted token is
 accepted), transformers' peers included: metrics keys, losslessness, summary, files; and the
-paired bootstrap ratio on synthetic timings."""
+paired bootstrap ratio and the rounds-only ratio on synthetic timings."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ from specstop.bench import report as bench_report
 from specstop.bench import run as bench
 from specstop.common.errors import SpecstopError
 from specstop.common.params import Params, validate
+from specstop.decoder.loop import DecodeStats
 from specstop.evaluation.intervals import speed_ratio
+from specstop.evaluation.side_by_side import MethodResult
 
 from stop_models import write_stop_model, write_trained_outputs
 
@@ -97,7 +99,8 @@ def test_bench_measures_every_method_side_by_side(tmp_path, tiny_model_dir, monk
     assert tree["verified_tokens"] <= tree["drafted_tokens"]
     assert summary["winner_decision_share"] == tree["decision_share"] and 0 < \
         tree["decision_share"] < 1
-    assert tree["measured_over_simulated"] == pytest.approx(tree["speedup_vs_ar"] / 1.2)
+    assert tree["measured_over_simulated"] == pytest.approx(tree["round_speedup_vs_ar"] / 1.2)
+    assert tree["round_speedup_vs_ar"] != tree["speedup_vs_ar"]  # the prefills left out
     peers = metrics["setup"]["peers"]
     assert peers["same_draft_sd"] == "sd-compact" and peers["draft"] == str(peer)
     assert peers["hf-assisted"]["num_assistant_tokens"] == 20
@@ -198,6 +201,24 @@ def test_the_paired_bootstrap_recovers_a_known_ratio():
                            resamples=2000)
     assert unpaired.ci95[1] - unpaired.ci95[0] > 3 * (high - low)  # pairing is what narrows it
     assert speed_ratio([10], [1.0], [10], [2.0]).as_dict() == {"ratio": 2.0, "ci95": None}
+
+
+def test_the_replay_is_compared_with_the_rounds_alone():
+    """A prefill the replay does not price (the same for both methods) dilutes the end-to-end
+    ratio; `measured_over_simulated` divides the rounds' ratio by the replayed speed."""
+    def result(name: str, round_seconds: float) -> MethodResult:
+        stats = [DecodeStats(new_tokens=40, seconds=round_seconds + 0.1, prefill_seconds=0.1)
+                 for _ in range(3)]
+        return MethodResult(name, DecodeStats(), per_prompt=stats, identical=[True] * 3,
+                            logprobs=[0.0] * 3)
+
+    inputs = bench_report.Inputs({"greedy": [result("ar", 0.6), result("tree", 0.4)]},
+                                 ["a", "b", "c"], ["code"] * 3, None,
+                                 {"greedy": {"tree": 1.6}}, 100, 0)
+    tree = bench_report._mode(inputs, "greedy")["tree"]
+    assert tree["speedup_vs_ar"] == pytest.approx(0.7 / 0.5)
+    assert tree["round_speedup_vs_ar"] == pytest.approx(1.5)
+    assert tree["measured_over_simulated"] == pytest.approx(1.5 / 1.6)
 
 
 def test_a_tuned_threshold_at_infinity_is_the_probability_it_means():

@@ -1,4 +1,5 @@
-"""A drafted round's host work: measured beside the passes, charged by the tree replay."""
+"""A drafted round's work beyond its priced passes: measured beside them, charged by the tree
+replay."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import torch
 
 from specstop.common.errors import DataError
 from specstop.decoder import dynamic, methods, overhead
-from specstop.decoder.costs import CostCurve, CostModel, RoundWork
+from specstop.decoder.costs import CostCurve, CostModel, RoundWork, measure_verify_costs
 from specstop.decoder.kv import KVModel
 from specstop.decoder.methods import DecodeConfig
-from specstop.decoder.overhead import (measuring_policy, outside_per_round, round_overhead,
-                                       timed_passes)
+from specstop.decoder.overhead import (Curves, measuring_policy, outside_per_round,
+                                       round_overhead, timed_passes)
 from specstop.decoder.sampling import Sampling
 from specstop.drafts.loading import load_runtime
 from specstop.replay.tree_replay import TreeCosts
@@ -36,6 +37,15 @@ def prompts(runtime) -> list[torch.Tensor]:
     return [runtime.encode(text) for text in ("def f(x):", "Say hello to the")]
 
 
+@pytest.fixture(scope="module")
+def curves(runtime) -> Curves:
+    """The tiny models' own cost curves, as stage collect measures them."""
+    def curve(lm: KVModel, name: str) -> CostCurve:
+        return measure_verify_costs(lm, name, [2, 4, 8, 16], repeats=5).curve
+
+    return Curves(curve(runtime.target, "target"), curve(runtime.draft, "draft"))
+
+
 def policy():
     return measuring_policy((2, 2, 1), CostCurve({1: 1.0, 8: 1.2}))
 
@@ -44,7 +54,8 @@ def test_every_pass_is_timed_once_and_the_models_are_restored(runtime, prompts) 
     with timed_passes(runtime.target, runtime.draft) as (target, draft):
         stats = runtime.generate(prompts[0], replace(CONFIG, method="tree"), policy()).stats
     assert len(target) == stats.target_calls and len(draft) == stats.draft_steps > 0
-    assert all(t > 0 for t in target + draft)
+    assert all(width > 0 and t > 0 for width, t in target + draft)
+    assert target[0][0] == prompts[0].shape[0]  # the prefill, at the prompt's width
     for lm in (runtime.target, runtime.draft):
         assert "extend" not in vars(lm) and "extend_with_hidden" not in vars(lm)
         assert type(lm).extend is KVModel.extend
@@ -52,9 +63,9 @@ def test_every_pass_is_timed_once_and_the_models_are_restored(runtime, prompts) 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_host_work_outside_the_passes_is_what_the_overhead_counts(
-        runtime, prompts, monkeypatch, temperature: float) -> None:
-    """A round that sleeps outside its passes and decisions spends at least the sleep there;
-    the overhead is finite and in `ar` steps."""
+        runtime, prompts, curves, monkeypatch, temperature: float) -> None:
+    """A round that sleeps outside its passes and decisions spends the sleep beyond what its
+    passes are priced at; the overhead is finite and in `ar` steps."""
     config = replace(CONFIG, method="tree", sampling=Sampling(temperature))
     verify_proposal = dynamic.DraftedTree.verify_proposal
 
@@ -63,9 +74,9 @@ def test_host_work_outside_the_passes_is_what_the_overhead_counts(
         return verify_proposal(self, *args)
 
     monkeypatch.setattr(dynamic.DraftedTree, "verify_proposal", slow)
-    outside = outside_per_round(runtime, prompts, config, policy())
-    assert outside.seconds >= SLEEP and len(outside.passes) > 0 and outside.levels >= 1
-    work = round_overhead(runtime, prompts, config, policy())
+    outside = outside_per_round(runtime, prompts, config, curves, policy())
+    assert outside.seconds > SLEEP / 2 and outside.levels >= 1
+    work = round_overhead(runtime, prompts, config, policy(), curves)
     assert set(work) == {"tree", "static"}
     assert all(np.isfinite([w.base, w.per_level]).all() and w.per_level >= 0
                for w in work.values())
@@ -73,7 +84,25 @@ def test_host_work_outside_the_passes_is_what_the_overhead_counts(
     # is the tree's only
 
 
-def test_a_levels_host_work_is_charged_per_level(runtime, prompts, monkeypatch) -> None:
+def test_a_pass_slower_in_a_decode_than_its_price_is_charged_to_the_round(
+        runtime, prompts, curves, monkeypatch) -> None:
+    """The target's passes sleep inside the decode, not where the curve was measured: the
+    rounds' unpriced seconds hold the sleep once a round (the prefill's aside)."""
+    extend = KVModel.extend_with_hidden
+
+    def slow(self, *args, **kwargs):
+        if self is runtime.target:
+            time.sleep(SLEEP)
+        return extend(self, *args, **kwargs)
+
+    config = replace(CONFIG, method="tree")
+    fast = outside_per_round(runtime, prompts, config, curves, policy())
+    monkeypatch.setattr(KVModel, "extend_with_hidden", slow)
+    slowed = outside_per_round(runtime, prompts, config, curves, policy())
+    assert SLEEP / 2 < slowed.seconds - fast.seconds < 2 * SLEEP
+
+
+def test_a_levels_host_work_is_charged_per_level(runtime, prompts, curves, monkeypatch) -> None:
     """A static round that sleeps in every level it drafts: its deeper measurement spends the
     sleep more a level (at least half of it, whatever else shares the host), and the static
     line is the one through its two measurements."""
@@ -90,41 +119,41 @@ def test_a_levels_host_work_is_charged_per_level(runtime, prompts, monkeypatch) 
 
     monkeypatch.setattr(methods, "draft_level", slow)
     monkeypatch.setattr(overhead, "outside_per_round", recorded)
-    work = round_overhead(runtime, prompts, CONFIG, policy())
+    work = round_overhead(runtime, prompts, CONFIG, policy(), curves)
     ar, shallow, deep = measured[0], *measured[3:]  # ar, `tree` twice, static twice
     assert shallow.levels == 1 and deep.levels > 1.5
     assert (deep.seconds - shallow.seconds) / (deep.levels - shallow.levels) > SLEEP / 2
-    assert work["static"] == overhead._line([shallow, deep], ar)
+    assert work["static"] == overhead._line([shallow, deep], ar, curves.target.ar_seconds)
     assert work["static"].per_level > 0
 
 
 def test_the_line_goes_through_the_deeper_figure_and_never_falls_per_level() -> None:
-    ar = overhead.Outside(0.010, 0.0, [0.1, 0.1, 0.1])
-    shallow, deep = overhead.Outside(0.012, 1.0, []), overhead.Outside(0.018, 2.5, [])
-    work = overhead._line([shallow, deep], ar)
+    ar = overhead.Outside(0.010, 0.0)
+    shallow, deep = overhead.Outside(0.012, 1.0), overhead.Outside(0.018, 2.5)
+    work = overhead._line([shallow, deep], ar, 0.1)
     assert work.per_level == pytest.approx(0.04) and work.at(2.5) == pytest.approx(0.08)
     assert work.at(1.0) == pytest.approx(0.02)
-    falling = overhead._line([overhead.Outside(0.020, 1.0, []), deep], ar)
+    falling = overhead._line([overhead.Outside(0.020, 1.0), deep], ar, 0.1)
     assert falling == RoundWork(pytest.approx(0.08), 0.0)
-    close = overhead._line([overhead.Outside(0.012, 2.4, []), deep], ar)  # too close to fit
+    close = overhead._line([overhead.Outside(0.012, 2.4), deep], ar, 0.1)  # too close to fit
     assert close == RoundWork(pytest.approx(0.08), 0.0)
 
 
 def test_the_static_rounds_decode_the_first_level_then_chains_without_a_dynamic_tree(
-        runtime, prompts, monkeypatch) -> None:
+        runtime, prompts, curves, monkeypatch) -> None:
     trees, calls = [], []
     init, outside = dynamic.DraftedTree.__init__, overhead.outside_per_round
     monkeypatch.setattr(dynamic.DraftedTree, "__init__",
                         lambda self, *args: trees.append(1) or init(self, *args))
 
-    def counted(runtime, prompts, config, policy=None):
+    def counted(runtime, prompts, config, curves, policy=None):
         before = len(trees)
-        result = outside(runtime, prompts, config, policy)
+        result = outside(runtime, prompts, config, curves, policy)
         calls.append((config, policy, len(trees) - before))
         return result
 
     monkeypatch.setattr(overhead, "outside_per_round", counted)
-    work = round_overhead(runtime, prompts, CONFIG, policy())
+    work = round_overhead(runtime, prompts, CONFIG, policy(), curves)
     static = [(policy.gamma, built) for config, policy, built in calls
               if config.method == "mcsd" and config.mcsd_branching == (2,)]
     assert static == [(1, 0), (overhead.MEASURING_STATIC_DEPTH, 0)]  # no dynamic tree built
