@@ -37,7 +37,7 @@ from .methods import DecodeConfig, Round, round_method, with_static_fallback
 from .policy import StoppingPolicy, TreePolicy
 from .sampling import Sampling, sample, warp
 from .tree import Tree
-from .verify import acceptance, dynasd_select, verify_tree
+from .verify import Support, acceptance, dynasd_select, verify_tree
 
 ACCEPTED_EMA_DECAY = 0.5  # weight of the previous average in the accepted-length EMA
 
@@ -183,6 +183,8 @@ def generate(
     lookup = Lookup(prompt.tolist(), config.lookup_ngram) \
         if proposes_lookup or with_features else None  # the features read its chain too
     root_emitted = 0 if config.lossy else 1  # emitted whatever is accepted (exact), or not
+    support = None if drafter is None or drafter.vocab_ids is None or config.sampling.greedy \
+        else Support.of(drafter.vocab_ids, target.vocab_size)  # where q has mass
     # 0. Prefill: both caches take the prompt; r is the target's next-token distribution.
     target.reserve(prompt.shape[0] + config.max_new_tokens + tree.size(tree.max_depth))
     r = prefill(target, drafter, prompt, config.sampling)
@@ -216,7 +218,7 @@ def generate(
         scores = score(target, on_device, proposal, config.sampling, costs,
                        () if drafter is None else drafter.target_layers)
         # 4. Verify.
-        verdict = verify(on_device, proposal, scores, config, eos_id, generator)
+        verdict = verify(on_device, proposal, scores, config, eos_id, generator, support)
         if root_emitted and verdict.path_tokens[0] == eos_id:  # the root ended the sequence
             out.append(eos_id)
             break
@@ -300,12 +302,15 @@ def score(target: KVModel, tree: Tree, proposal: Proposal, sampling: Sampling,
 
 
 def verify(tree: Tree, proposal: Proposal, scores: Scores, config: DecodeConfig,
-           eos_id: int | None, generator: torch.Generator | None) -> Verdict:
-    """The method's rule: exact tree verification, or the lossy DynaSD selection."""
+           eos_id: int | None, generator: torch.Generator | None,
+           support: Support | None = None) -> Verdict:
+    """The method's rule: exact tree verification (sampled, over the draft's `support`), or
+    the lossy DynaSD selection."""
     args = (tree, proposal.depth, proposal.tokens, scores.p, proposal.q, config.sampling)
     if config.lossy:
         return dynasd_select(*args, eos_id, generator)
-    return verify_tree(*args, config.without_replacement, eos_id, generator, proposal.point)
+    return verify_tree(*args, config.without_replacement, eos_id, generator, proposal.point,
+                       support)
 
 
 def commit(target: KVModel, drafter: Drafter | None, proposal: Proposal, scores: Scores,

@@ -11,6 +11,7 @@ Each rule takes a proposal's tokens and q and the target's p and returns a `Verd
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -115,6 +116,37 @@ def acceptance(
     return out
 
 
+@dataclass(frozen=True)
+class Support:
+    """The tokens a draft's q can give mass to (a pruned head's vocabulary), over which the
+    sampled walk tests: every other token has q 0 at every node, so it enters `mcss` only
+    through its share of p, and the walk lumps those shares into one slot (`lumped`)."""
+
+    ids: torch.Tensor  # [s] token ids
+    slot: torch.Tensor  # [V] each token's index in `ids`, s for the lumped rest
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, vocab: int) -> "Support":
+        slot = torch.full((vocab,), ids.shape[0], dtype=torch.long, device=ids.device)
+        return cls(ids, slot.index_copy_(0, ids, torch.arange(ids.shape[0], device=ids.device)))
+
+    def lumped(self, dist: torch.Tensor, rest: bool = True) -> torch.Tensor:
+        """[V] a distribution -> [s + 1] float64: its mass on `ids`, then the rest's (>= 0;
+        0 without `rest`, for q, which has none there)."""
+        inside = dist.index_select(0, self.ids).double()
+        mass = (dist.sum(dtype=torch.float64) - inside.sum()).clamp_min(0.0) if rest \
+            else inside.new_zeros(())
+        return torch.cat([inside, mass[None]])
+
+    def spread(self, lumped: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """[s + 1] a residual of the lumped p [V] -> [V] float64: the rest's slot shared out
+        in proportion to p (the walk's tests scaled it as a whole)."""
+        p = p.double()
+        rest = p.sum() - p.index_select(0, self.ids).sum()
+        scale = torch.where(rest > 0, lumped[-1] / rest.clamp_min(RESIDUAL_FLOOR), 0.0)
+        return (p * scale).index_copy_(0, self.ids, lumped[:-1])
+
+
 def verify_tree(
     tree: Tree,
     depth: int,  # levels drafted below the root
@@ -127,6 +159,7 @@ def verify_tree(
     generator: torch.Generator | None,
     point: torch.Tensor | None = None,  # [n] bool: nodes drawn from a point mass (a lookup
     # chain's), each after its drawn siblings
+    support: Support | None = None,  # where q has mass (None: anywhere)
 ) -> Verdict:
     """Exact tree verification from the single committed root (node 0); `tree` on the tokens'
     device.
@@ -141,23 +174,36 @@ def verify_tree(
     if sampling.greedy:
         return _greedy_walk(tree, depth, tokens, p, eos_id)
     u = uniforms(n, tokens.device, generator)
-    return sampled_walk(tree, depth, tokens, p, q, without_replacement, eos_id, u, point)[0]
+    return sampled_walk(tree, depth, tokens, p, q, without_replacement, eos_id, u, point,
+                        support)[0]
 
 
 def sampled_walk(tree: Tree, depth: int, tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
                  without_replacement: bool, eos_id: int | None, u: torch.Tensor,
-                 point: torch.Tensor | None = None) -> tuple[Verdict, torch.Tensor]:
+                 point: torch.Tensor | None = None, support: Support | None = None
+                 ) -> tuple[Verdict, torch.Tensor]:
     """The sampled path, one level at a time on the device and one transfer: at the path's node
     `mcss` tests its children (`point` [n]: those from a point mass), node i with the uniform
     u[i] ([n] float64); the walk stops at a
     rejection, an accepted EOS or a leaf (on a GPU it idles through the levels left rather than
     ask the host).  Also returns [n] the thresholds of the tests made, nan for the nodes never
-    tested."""
+    tested.
+
+    With a `support` and no point-mass node, the tests run over the support and one slot for
+    the rest of the vocabulary (`Support.lumped`): outside the support q is 0 at every node, so
+    each residual there is p scaled by one factor, and a slot holding the rest's mass gives the
+    same tests, residual masses and thresholds as the whole vocabulary (a candidate outside the
+    support sits in the slot, where q is 0: skipped, as it is over V).  The residual the walk
+    ends with is spread back over V once (`Support.spread`)."""
     n, device = tokens.shape[0], tokens.device
+    lumped = support is not None and point is None
+    slots = support.slot[tokens] if lumped else tokens  # what mcss tests each node as
     parent, widest = tree.parent[:n], max(tree.branching[:depth], default=0)
     node = torch.zeros(1, dtype=torch.long, device=device)
     walking = torch.ones((), dtype=torch.bool, device=device)
-    nodes, next_dist = [node], p[0].double()
+    width = support.ids.shape[0] + 1 if lumped else p.shape[1]
+    nodes = [node]
+    next_dist = torch.zeros(width, dtype=torch.float64, device=device)
     made = torch.full((n + widest,), math.nan, dtype=torch.float64, device=device)
     for d in range(1, depth + 1):
         rank = torch.arange(tree.branching[d - 1], device=device)
@@ -165,8 +211,10 @@ def sampled_walk(tree: Tree, depth: int, tokens: torch.Tensor, p: torch.Tensor, 
         kids = first + rank
         valid = walking & (rank < torch.searchsorted(parent, node, right=True) - first)
         at = kids.clamp_max(n - 1)
-        index, dist, thresholds = mcss(p.index_select(0, node)[0].double(),
-                                       q.index_select(0, node)[0].double(), tokens[at],
+        p_node, q_node = p.index_select(0, node)[0], q.index_select(0, node)[0]
+        if lumped:
+            p_node, q_node = support.lumped(p_node), support.lumped(q_node, rest=False)
+        index, dist, thresholds = mcss(p_node.double(), q_node.double(), slots[at],
                                        without_replacement, u[at], valid,
                                        None if point is None else point[at])
         made[kids] = torch.where(valid, thresholds, made[kids])
@@ -179,7 +227,10 @@ def sampled_walk(tree: Tree, depth: int, tokens: torch.Tensor, p: torch.Tensor, 
         walking = accepted
         if reads_are_free(device) and not walking:
             break
-    next_dist = torch.where(walking, p.index_select(0, node)[0].double(), next_dist)
+    at_node = p.index_select(0, node)[0]
+    if lumped:
+        next_dist = support.spread(next_dist, at_node)
+    next_dist = torch.where(walking, at_node.double(), next_dist)
     path_index = torch.cat(nodes)
     host_nodes, host_tokens = torch.stack([path_index, tokens[path_index.clamp_min(0)]]).tolist()
     k = host_nodes.index(-1) if -1 in host_nodes else len(host_nodes)

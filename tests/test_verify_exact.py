@@ -30,7 +30,7 @@ from specstop.decoder.policy import ConfidenceTree
 from specstop.decoder.sampling import Sampling
 from specstop.decoder.tree import Tree
 from specstop.decoder.tree_rule import TreeRule
-from specstop.decoder.verify import Verdict, mcss, residual, sampled_walk, verify_tree
+from specstop.decoder.verify import Support, Verdict, mcss, residual, sampled_walk, verify_tree
 from specstop.features import RoundContext, root_statistics
 
 TOL = 1e-10
@@ -129,9 +129,11 @@ def scripted_mcss(u: ScriptedUniform, p: torch.Tensor, q: torch.Tensor, cands: l
 
 
 def scripted_walk(u: ScriptedUniform, tree: Tree, depth: int, ids: torch.Tensor,
-                  p: torch.Tensor, q: torch.Tensor, wor: bool, eos_id: int | None) -> Verdict:
+                  p: torch.Tensor, q: torch.Tensor, wor: bool, eos_id: int | None,
+                  support: Support | None = None) -> Verdict:
     """`sampled_walk` (`verify_tree` when sampling) on scripted uniforms."""
-    verdict, made = sampled_walk(tree, depth, ids, p, q, wor, eos_id, u.draw(ids.shape[0]))
+    verdict, made = sampled_walk(tree, depth, ids, p, q, wor, eos_id, u.draw(ids.shape[0]),
+                                 support=support)
     u.report(made)
     return verdict
 
@@ -574,6 +576,77 @@ def test_depth_two_walk_emits_the_target_bigram(scripted: ScriptedUniform,
             joint += prob * leaf_prob * first_two_tokens(verdict, tokens, p, eos_id)
     expected = p[root][:, None] * continuation(p, eos_id)
     assert torch.allclose(joint, expected, atol=TOL, rtol=0), (joint - expected).abs().max()
+
+
+SUPPORT = [0, 1, 3]  # where the draft's q has mass, of 5 tokens
+
+
+def on_support(v: int, seed: int) -> torch.Tensor:
+    """[v, v] float64 bigram whose rows are 0 outside SUPPORT (a pruned draft head's)."""
+    q = torch.zeros(v, v, dtype=torch.float64)
+    q[:, SUPPORT] = bigram(len(SUPPORT), seed)[torch.arange(v) % len(SUPPORT)]
+    return q
+
+
+def support_joint(scripted: ScriptedUniform, tree: Tree, wor: bool) -> torch.Tensor:
+    """The first two tokens' joint from the walk over SUPPORT and the rest's slot."""
+    v, root = 5, 0
+    p, q = bigram(v, 1), on_support(v, 2)
+    support = Support.of(torch.tensor(SUPPORT), v)
+    joint = torch.zeros(v, v + 1, dtype=torch.float64)
+    for tokens, prob in tree_candidates(tree, root, q, wor):
+        ids = torch.tensor(tokens)
+        for leaf_prob, _, _, verdict in branches(scripted, lambda: scripted_walk(
+                scripted, tree, 2, ids, p[ids], q[ids[: tree.size(1)]], wor, None, support)):
+            joint += prob * leaf_prob * first_two_tokens(verdict, tokens, p, None)
+    return joint
+
+
+@pytest.mark.parametrize("wor", [False, True], ids=["with-replacement", "without-replacement"])
+@pytest.mark.parametrize("branching", [(2, 2), (3, 1)])
+def test_a_walk_over_the_draft_s_support_emits_the_target_bigram(
+        scripted: ScriptedUniform, branching: tuple[int, int], wor: bool) -> None:
+    """q has no mass off SUPPORT (2 and 4 of 5 tokens carry p's): the walk tests over the
+    support and one slot for the rest (`Support`), and emits p's bigram exactly."""
+    p = bigram(5, 1)
+    expected = p[0][:, None] * continuation(p, None)
+    joint = support_joint(scripted, Tree(1, branching), wor)
+    assert torch.allclose(joint, expected, atol=TOL, rtol=0), (joint - expected).abs().max()
+
+
+def test_the_rest_s_share_spread_evenly_is_caught(scripted: ScriptedUniform,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The negative control: the rest's slot shared out evenly instead of in proportion to p
+    biases the output, and the enumeration sees it."""
+    def evenly(self: Support, lumped: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        outside = torch.ones_like(p, dtype=torch.float64).index_fill_(0, self.ids, 0.0)
+        return (outside * lumped[-1] / outside.sum()).index_copy_(0, self.ids, lumped[:-1])
+
+    monkeypatch.setattr(Support, "spread", evenly)
+    p = bigram(5, 1)
+    joint = support_joint(scripted, Tree(1, (2, 2)), True)
+    assert (joint - p[0][:, None] * continuation(p, None)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("wor", [False, True], ids=["with-replacement", "without-replacement"])
+def test_the_walk_over_the_support_makes_the_whole_vocabulary_s_tests(wor: bool) -> None:
+    """On random uniforms, the walk over a 12-token support of 50 (a candidate off it among
+    them: q 0 there, skipped) takes the path, thresholds and residual of the walk over V."""
+    v, tree, g = 50, Tree(1, (3, 2)), torch.Generator().manual_seed(0)
+    ids = torch.randperm(v, generator=g)[:12]
+    support = Support.of(ids, v)
+    for seed in range(40):
+        p = torch.stack([random_dist(v, 1000 * seed + i, zeros=5) for i in range(10)])
+        q = torch.zeros(4, v, dtype=torch.float64)
+        q[:, ids] = torch.stack([random_dist(12, 500 + 1000 * seed + i) for i in range(4)])
+        tokens = ids[torch.randint(0, 12, (10,), generator=g)]
+        tokens[3] = next(t for t in range(v) if t not in ids.tolist())  # off the support
+        u = torch.rand(10, dtype=torch.float64, generator=g) * 1.5
+        whole, made = sampled_walk(tree, 2, tokens, p, q, wor, None, u)
+        lumped, lumped_made = sampled_walk(tree, 2, tokens, p, q, wor, None, u, support=support)
+        assert lumped.path == whole.path and torch.equal(made.isnan(), lumped_made.isnan())
+        assert torch.allclose(lumped_made.nan_to_num(), made.nan_to_num(), atol=TOL, rtol=0)
+        assert torch.allclose(lumped.next_dist, whole.next_dist.double(), atol=TOL, rtol=0)
 
 
 def with_chain(tree: Tree, ids: torch.Tensor, q_rows: torch.Tensor, chain: list[int],
