@@ -150,7 +150,8 @@ def _round_overhead(runtime: Runtime, parts: list[Part], config: DecodeConfig,
         return {}
     prompts = [runtime.encode(t, chat=False, special_tokens=False)
                for t in texts[: collect.overhead_prompts]]
-    curves = Curves(CostCurve(table["target"]["seconds"]), CostCurve(table["draft"]["seconds"]))
+    curves = Curves(CostCurve(table["target"]["seconds"]), CostCurve(table["draft"]["seconds"]),
+                    table["decision_seconds"])
     policy = measuring_policy(tree_for(config).branching, curves.target)
     configs = {"greedy": config}
     sampled = [t for t in collect.temperatures if t > 0]

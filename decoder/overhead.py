@@ -9,9 +9,10 @@ the AMD host), the draft's steps and the host work between them evicting each ot
 `round_overhead` measures both for both kinds of drafted round: the same prompts decoded by
 `ar`, by `tree` (EAGLE-2's confidence tree) and by a static tree (`mcsd` drafting a fixed
 shape), every pass of either model timed and priced by the curves where the replay prices one
-(`KVModel.extend` and `extend_with_hidden`, at the width it fed), the decisions by the loop; a
-round's seconds (the prefill aside) less its passes' prices and its decisions, less an `ar`
-round's, in `ar` steps.  A static round spends less than a `tree` round (no per-level
+(`KVModel.extend` and `extend_with_hidden`, at the width it fed); a round's seconds (the prefill
+aside) less its passes' prices and its decisions' (the table's seconds a draft step, as the
+replay charges them: a tree's selection work beyond that is the round's), less an `ar` round's,
+in `ar` steps.  A static round spends less than a `tree` round (no per-level
 selection, no fed and verified trees to gather), so the replay charges each its own.  Each
 level drafted costs host work too (a sampled level about 1-1.5 ms: warp, draws, features), so
 each kind is timed at one level and deeper, and a round is charged a base plus a term per
@@ -99,10 +100,12 @@ def round_overhead(runtime: Runtime, prompts: list[torch.Tensor], config: Decode
 
 @dataclasses.dataclass(frozen=True)
 class Curves:
-    """The cost curves the replay prices passes by: the target's, the draft's (seconds)."""
+    """What the replay prices a round's passes and decisions at: the target's and the draft's
+    cost curves (seconds), and a decision's seconds (features + a threshold, per draft step)."""
 
     target: CostCurve
     draft: CostCurve
+    decision: float
 
     def target_pass(self, width: int) -> float:
         """Seconds the replay charges a target pass over `width` tokens (already padded)."""
@@ -115,8 +118,8 @@ class Curves:
 
 @dataclasses.dataclass(frozen=True)
 class Outside:
-    """What the rounds of a decoding spent beyond their passes' prices and the policy's
-    decisions, the prefills aside."""
+    """What the rounds of a decoding spent beyond the prices of their passes and decisions,
+    the prefills aside."""
 
     seconds: float  # a round's, on average
     levels: float  # draft levels a round, on average
@@ -124,10 +127,11 @@ class Outside:
 
 def _line(measured: list[Outside], ar: Outside, step: float) -> RoundWork:
     """The line through a shallow and a deep measurement's (levels a round, seconds beyond
-    `ar`'s in `ar` steps of `step` seconds), through the deep one, its per-level term >= 0; flat
-    at the deep figure when the two are less than `MIN_LEVEL_SPREAD` levels apart (a tree that
-    seldom drafts a second level)."""
-    shallow, deep = ((m.levels, (m.seconds - ar.seconds) / step) for m in measured)
+    `ar`'s in `ar` steps of `step` seconds, each at least 0: a round is never credited, as
+    where the curves, timed under another load, price the passes above what a decode pays),
+    through the deep one, its per-level term >= 0; flat at the deep figure when the two are
+    less than `MIN_LEVEL_SPREAD` levels apart (a tree that seldom drafts a second level)."""
+    shallow, deep = ((m.levels, max((m.seconds - ar.seconds) / step, 0.0)) for m in measured)
     spread = deep[0] - shallow[0]
     per_level = max((deep[1] - shallow[1]) / spread, 0.0) if spread >= MIN_LEVEL_SPREAD else 0.0
     return RoundWork(deep[1] - per_level * deep[0], per_level)
@@ -137,8 +141,8 @@ def outside_per_round(runtime: Runtime, prompts: list[torch.Tensor], config: Dec
                       curves: Curves, policy: ConfidenceTree | FixedDepth | None = None
                       ) -> Outside:
     """`prompts` decoded as `config` says (the first also warms up): each round's seconds
-    beyond what `curves` price its passes at (every target pass but the prefill, the draft's
-    last `draft_steps`: the rounds') and its decisions."""
+    beyond what `curves` price its passes (every target pass but the prefill, the draft's last
+    `draft_steps`: the rounds') and its decisions (one a draft step) at."""
     models = [runtime.target] + [m for m in [runtime.draft] if m not in (None, runtime.target)]
     runtime.generate(prompts[0], config, policy)  # warm-up
     seconds, rounds, levels = 0.0, 0, 0
@@ -148,7 +152,7 @@ def outside_per_round(runtime: Runtime, prompts: list[torch.Tensor], config: Dec
         target, draft = times[0][1:], (times[1:] or [[]])[0]
         priced = sum(curves.target_pass(w) for w, _ in target) + sum(
             curves.draft_step(w) for w, _ in draft[len(draft) - stats.draft_steps:])
-        seconds += stats.round_seconds - priced - stats.decision_seconds
+        seconds += stats.round_seconds - priced - curves.decision * stats.draft_steps
         rounds += stats.target_calls - 1  # the prefill is not a round
         levels += stats.drafted_levels
     return Outside(seconds / max(rounds, 1), levels / max(rounds, 1))

@@ -118,6 +118,24 @@ class LearnedPolicy:
         self.seconds = 0.0  # wall time of the calls (CPU; launches only on a GPU)
 
     def probabilities(self, features: torch.Tensor) -> torch.Tensor:  # [n, F] -> [n]
+        """The model's P(accept) of each row (a `tree` round's decision), counted and timed."""
+        start = time.perf_counter()
+        p = self._model(features)
+        self._count(start)
+        return p
+
+    def __call__(self, features: torch.Tensor,
+                 parents: torch.Tensor | None = None) -> torch.Tensor:  # [n, F] -> [n] bool
+        start = time.perf_counter()
+        p = self._model(features)
+        if self.rule == "threshold":
+            go_on = continues(p, self.threshold)
+        else:
+            go_on = self._cost_aware(p.double(), features[:, DEPTH], parents)
+        self._count(start)
+        return go_on
+
+    def _model(self, features: torch.Tensor) -> torch.Tensor:
         if features.device != self.device:  # follow the decoder's device once
             self.model, self.marginal = self.model.to(features.device), \
                 self.marginal.to(features.device)
@@ -125,17 +143,9 @@ class LearnedPolicy:
         with torch.inference_mode():
             return self.model(features.float())
 
-    def __call__(self, features: torch.Tensor,
-                 parents: torch.Tensor | None = None) -> torch.Tensor:  # [n, F] -> [n] bool
-        start = time.perf_counter()
-        p = self.probabilities(features)
-        if self.rule == "threshold":
-            go_on = continues(p, self.threshold)
-        else:
-            go_on = self._cost_aware(p.double(), features[:, DEPTH], parents)
+    def _count(self, start: float) -> None:
         self.calls += 1
         self.seconds += time.perf_counter() - start
-        return go_on
 
     def _cost_aware(self, p: torch.Tensor, depth: torch.Tensor,
                     parents: torch.Tensor | None) -> torch.Tensor:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 import numpy as np
 from sklearn.metrics import brier_score_loss, log_loss, roc_auc_score, roc_curve
 
 EPS = 1e-7
+Rows = TypeVar("Rows")  # a level's feature rows: numpy (a fitted model) or torch (a module)
 
 
 def quality(y: np.ndarray, p: np.ndarray, bins: int = 15) -> dict[str, float | None]:
@@ -46,8 +47,8 @@ def roc_points(y: np.ndarray, p: np.ndarray, points: int = 200) -> list[tuple[fl
     return list(zip(fpr[keep].tolist(), tpr[keep].tolist()))
 
 
-def decision_latency(predict: Callable[[np.ndarray], np.ndarray], level: np.ndarray,
-                     repeats: int = 200) -> float:
+def decision_latency(predict: Callable[[Rows], object], level: Rows, repeats: int = 200
+                     ) -> float:
     """Median seconds of one prediction for a batch of one level's feature rows."""
     predict(level)
     times = []

@@ -19,7 +19,8 @@ def run(params: Params) -> dict:
     config = params.train
     start = time.perf_counter()
     try:
-        report = experiment.run(config, params.mlflow.store("train"))
+        report = experiment.run(config, params.mlflow.store("train"),
+                                params.export.tree_implementation)
     except DataError as err:
         raise SpecstopError(str(err)) from err
     print(table(report))

@@ -204,6 +204,15 @@ def identity_policy(**meta) -> LearnedPolicy:
     return LearnedPolicy(torch.jit.script(QToken()), metadata(**meta))
 
 
+def test_a_tree_s_model_calls_are_counted_as_decisions():
+    """A `tree` round asks the model for probabilities alone: those calls are the decisions
+    the bench's latency reports, as a level-wise stop's are."""
+    policy = identity_policy(threshold=0.5)
+    policy.probabilities(level_features([0.2, 0.9], 1))
+    policy(level_features([0.2, 0.5, 0.9], 1), torch.zeros(3, dtype=torch.long))
+    assert policy.calls == 2 and policy.seconds > 0
+
+
 def test_threshold_rule_continues_above_t():
     policy = identity_policy(threshold=0.5)
     go_on = policy(level_features([0.2, 0.5, 0.9], 1), torch.zeros(3, dtype=torch.long))

@@ -14,7 +14,7 @@ import torch
 
 from specstop.common.errors import DataError
 from specstop.decoder import dynamic, methods, overhead
-from specstop.decoder.costs import CostCurve, CostModel, RoundWork, measure_verify_costs
+from specstop.decoder.costs import CostCurve, CostModel, RoundWork
 from specstop.decoder.kv import KVModel
 from specstop.decoder.methods import DecodeConfig
 from specstop.decoder.overhead import (Curves, measuring_policy, outside_per_round,
@@ -38,12 +38,10 @@ def prompts(runtime) -> list[torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def curves(runtime) -> Curves:
-    """The tiny models' own cost curves, as stage collect measures them."""
-    def curve(lm: KVModel, name: str) -> CostCurve:
-        return measure_verify_costs(lm, name, [2, 4, 8, 16], repeats=5).curve
-
-    return Curves(curve(runtime.target, "target"), curve(runtime.draft, "draft"))
+def curves() -> Curves:
+    """Curves that price every pass and decision at a microsecond, so what a round spends
+    shows whole, whatever else shares the host when the tests run."""
+    return Curves(CostCurve({1: 1e-6, 16: 2e-6}), CostCurve({1: 1e-6}), 1e-6)
 
 
 def policy():
@@ -99,7 +97,17 @@ def test_a_pass_slower_in_a_decode_than_its_price_is_charged_to_the_round(
     fast = outside_per_round(runtime, prompts, config, curves, policy())
     monkeypatch.setattr(KVModel, "extend_with_hidden", slow)
     slowed = outside_per_round(runtime, prompts, config, curves, policy())
-    assert SLEEP / 2 < slowed.seconds - fast.seconds < 2 * SLEEP
+    assert slowed.seconds - fast.seconds > SLEEP / 2  # taking the passes' seconds out: 0
+
+
+def test_the_decisions_are_taken_out_at_their_price(runtime, prompts, curves) -> None:
+    """What the replay charges a decision (one a draft step) is what the overhead takes out,
+    whatever the policy's decisions took: a dearer price leaves less, by the price a level."""
+    config = replace(CONFIG, method="tree")
+    cheap = outside_per_round(runtime, prompts, config, curves, policy())
+    dear = outside_per_round(runtime, prompts, config, replace(curves, decision=10.0), policy())
+    assert cheap.levels == dear.levels  # the same rounds (greedy)
+    assert cheap.seconds - dear.seconds == pytest.approx((10.0 - 1e-6) * cheap.levels, rel=0.02)
 
 
 def test_a_levels_host_work_is_charged_per_level(runtime, prompts, curves, monkeypatch) -> None:
@@ -135,6 +143,9 @@ def test_the_line_goes_through_the_deeper_figure_and_never_falls_per_level() -> 
     assert work.at(1.0) == pytest.approx(0.02)
     falling = overhead._line([overhead.Outside(0.020, 1.0), deep], ar, 0.1)
     assert falling == RoundWork(pytest.approx(0.08), 0.0)
+    credited = overhead._line([overhead.Outside(0.004, 1.0), overhead.Outside(0.002, 2.0)], ar,
+                              0.1)  # both below ar's: a curve that priced the passes too high
+    assert credited == RoundWork(0.0, 0.0)
     close = overhead._line([overhead.Outside(0.012, 2.4), deep], ar, 0.1)  # too close to fit
     assert close == RoundWork(pytest.approx(0.08), 0.0)
 
