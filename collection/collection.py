@@ -22,9 +22,9 @@ from tqdm import tqdm
 
 from specstop.common.files import remove_temp_files, resume_or_set_aside, write_json
 from specstop.common.params import CollectConfig, ModelsConfig
-from specstop.decoder.costs import CostCurve, VerifyCosts, measure_costs
+from specstop.decoder.costs import CostModel, VerifyCosts, measure_costs
 from specstop.decoder.loop import DecodeConfig, DecodeStats, tree_for
-from specstop.decoder.overhead import Curves, measuring_policy, round_overhead
+from specstop.decoder.overhead import measuring_policy, round_overhead
 from specstop.decoder.policy import FixedDepth
 from specstop.decoder.runtime import Runtime
 from specstop.decoder.sampling import Sampling
@@ -150,16 +150,15 @@ def _round_overhead(runtime: Runtime, parts: list[Part], config: DecodeConfig,
         return {}
     prompts = [runtime.encode(t, chat=False, special_tokens=False)
                for t in texts[: collect.overhead_prompts]]
-    curves = Curves(CostCurve(table["target"]["seconds"]), CostCurve(table["draft"]["seconds"]),
-                    table["decision_seconds"])
-    policy = measuring_policy(tree_for(config).branching, curves.target)
+    costs = CostModel.from_table(table)
+    policy = measuring_policy(tree_for(config).branching, costs.target)
     configs = {"greedy": config}
     sampled = [t for t in collect.temperatures if t > 0]
     if sampled:
         configs["sampled"] = replace(config, sampling=Sampling(sampled[0], collect.top_p))
     out: dict[str, dict[str, dict]] = {}
     for decoding, decode in configs.items():
-        for kind, work in round_overhead(runtime, prompts, decode, policy, curves).items():
+        for kind, work in round_overhead(runtime, prompts, decode, policy, costs).items():
             out.setdefault(kind, {})[decoding] = asdict(work)
     return out
 

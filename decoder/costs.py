@@ -271,18 +271,23 @@ class CostModel:
     def load(cls, path: Path) -> "CostModel":
         """The cost model of `costs.json`; a DataError names the file and the bad field."""
         try:
-            raw = json.loads(Path(path).read_text())
-            return cls(_tree_sizes(raw["tree_sizes"]),
-                       CostCurve(seconds_by_width(raw["target"]["seconds"], "target.seconds")),
-                       CostCurve(seconds_by_width(raw["draft"]["seconds"], "draft.seconds")),
-                       _decision_field(raw.get("decision_seconds", 0.0)),
-                       *_overhead_field(raw.get("round_overhead", {})))
+            return cls.from_table(json.loads(Path(path).read_text()))
         except FileNotFoundError:
             raise DataError(f"{path}: cost model not found (run `specstop collect` first)")
         except OSError as err:
             raise DataError(f"{path}: cannot read the cost model ({err.strerror})") from err
         except (KeyError, TypeError, ValueError) as err:
             raise DataError(f"{path}: not a cost model ({field_problem(err)})") from err
+
+    @classmethod
+    def from_table(cls, raw: dict) -> "CostModel":
+        """The cost model of a `measure_costs` table (a KeyError, TypeError or ValueError names
+        the bad field)."""
+        return cls(_tree_sizes(raw["tree_sizes"]),
+                   CostCurve(seconds_by_width(raw["target"]["seconds"], "target.seconds")),
+                   CostCurve(seconds_by_width(raw["draft"]["seconds"], "draft.seconds")),
+                   _decision_field(raw.get("decision_seconds", 0.0)),
+                   *_overhead_field(raw.get("round_overhead", {})))
 
     @property
     def max_depth(self) -> int:

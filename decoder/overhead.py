@@ -16,7 +16,8 @@ in `ar` steps.  A static round spends less than a `tree` round (no per-level
 selection, no fed and verified trees to gather), so the replay charges each its own.  Each
 level drafted costs host work too (a sampled level about 1-1.5 ms: warp, draws, features), so
 each kind is timed at one level and deeper, and a round is charged a base plus a term per
-level it drafts (`costs.RoundWork`).
+level it drafts (`costs.RoundWork`).  The decodings take turns a prompt at a time, so the
+host's speed, which drifts on a shared machine, weighs on each kind alike (`outside_per_round`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
-from .costs import CostCurve, RoundWork
+from .costs import CostCurve, CostModel, RoundWork
 from .kv import KVModel
 from .methods import DecodeConfig
 from .policy import ConfidenceTree, FixedDepth
@@ -77,43 +79,32 @@ def measuring_policy(branching: tuple[int, ...], costs: CostCurve) -> Confidence
                                    **MEASURING_RULE))
 
 
-def round_overhead(runtime: Runtime, prompts: list[torch.Tensor], config: DecodeConfig,
-                   policy: ConfidenceTree, curves: Curves) -> dict[str, RoundWork]:
-    """{"tree": a drafted `tree` round's, "static": a static round's} work beyond an `ar`
-    round's that the `curves` do not price (`RoundWork`, `ar` steps), decoding `prompts` ([L]
-    ids; the first also warms up) as `config` says (its sampling, budget and depth), each kind
-    cut at one level and deeper: the `tree` rounds with `policy` to `config`'s depth, the static
-    ones with `config`'s first level then chains to `MEASURING_STATIC_DEPTH` (`_line`)."""
-    def unpriced(run: DecodeConfig, by: ConfidenceTree | FixedDepth | None = None) -> Outside:
-        return outside_per_round(runtime, prompts, run, curves, by)
+Run = tuple[DecodeConfig, "ConfidenceTree | FixedDepth | None"]  # a decoding and its policy
 
-    ar = unpriced(dataclasses.replace(config, method="ar"))
+
+def measuring_runs(config: DecodeConfig, policy: ConfidenceTree) -> dict[str, Run]:
+    """What `round_overhead` decodes, as `config` says (its sampling, budget and depth): `ar`;
+    `tree` rounds with `policy` cut at one level ("tree") and to `config`'s depth ("tree_deep");
+    static rounds, `config`'s first level then chains, at one level ("static") and at
+    `MEASURING_STATIC_DEPTH` ("static_deep")."""
     tree = dataclasses.replace(config, method="tree", lookup_branch=False)
     static = dataclasses.replace(config, method="mcsd", mcsd_branching=config.mcsd_branching[:1],
                                  lookup_branch=False)
-    deep = FixedDepth(min(MEASURING_STATIC_DEPTH, config.max_depth))
-    runs = {"tree": [(dataclasses.replace(tree, max_depth=1), policy), (tree, policy)],
-            "static": [(static, FixedDepth(1)), (static, deep)]}
-    return {kind: _line([unpriced(*run) for run in pair], ar, curves.target.ar_seconds)
-            for kind, pair in runs.items()}
+    return {"ar": (dataclasses.replace(config, method="ar"), None),
+            "tree": (dataclasses.replace(tree, max_depth=1), policy), "tree_deep": (tree, policy),
+            "static": (static, FixedDepth(1)),
+            "static_deep": (static, FixedDepth(min(MEASURING_STATIC_DEPTH, config.max_depth)))}
 
 
-@dataclasses.dataclass(frozen=True)
-class Curves:
-    """What the replay prices a round's passes and decisions at: the target's and the draft's
-    cost curves (seconds), and a decision's seconds (features + a threshold, per draft step)."""
-
-    target: CostCurve
-    draft: CostCurve
-    decision: float
-
-    def target_pass(self, width: int) -> float:
-        """Seconds the replay charges a target pass over `width` tokens (already padded)."""
-        return self.target.price(width) * self.target.ar_seconds
-
-    def draft_step(self, width: int) -> float:
-        """Seconds the replay charges a draft step feeding `width` tokens, decision aside."""
-        return self.draft.at(width) * self.draft.step
+def round_overhead(runtime: Runtime, prompts: list[torch.Tensor], config: DecodeConfig,
+                   policy: ConfidenceTree, costs: CostModel) -> dict[str, RoundWork]:
+    """{"tree": a drafted `tree` round's, "static": a static round's} work beyond an `ar`
+    round's that `costs` does not price (`RoundWork`, `ar` steps): `measuring_runs` decoding
+    `prompts` ([L] ids; the first also warms up), each kind's line through its shallow and
+    deep figures (`_line`)."""
+    outside = outside_per_round(runtime, prompts, measuring_runs(config, policy), costs)
+    return {kind: _line([outside[kind], outside[f"{kind}_deep"]], outside["ar"],
+                        costs.target_step) for kind in ("tree", "static")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,22 +128,29 @@ def _line(measured: list[Outside], ar: Outside, step: float) -> RoundWork:
     return RoundWork(deep[1] - per_level * deep[0], per_level)
 
 
-def outside_per_round(runtime: Runtime, prompts: list[torch.Tensor], config: DecodeConfig,
-                      curves: Curves, policy: ConfidenceTree | FixedDepth | None = None
-                      ) -> Outside:
-    """`prompts` decoded as `config` says (the first also warms up): each round's seconds
-    beyond what `curves` price its passes (every target pass but the prefill, the draft's last
-    `draft_steps`: the rounds') and its decisions (one a draft step) at."""
+def outside_per_round(runtime: Runtime, prompts: list[torch.Tensor], runs: dict[str, Run],
+                      costs: CostModel) -> dict[str, Outside]:
+    """Per run, its rounds' seconds beyond what `costs` prices their passes (every target pass
+    but the prefill, the draft's last `draft_steps`: the rounds') and their decisions (one a
+    draft step) at.  Each run warms up on the first prompt, then every prompt is decoded by
+    each run in turn, the order turned by one a prompt, so a drift of the host's speed falls on
+    every run alike: one run after another (952bccf's collect), a greedy `tree` round at two
+    levels came out 0.14 `ar` steps above a static round; in turn, on the same models, 0.07-0.09
+    in three runs (stop 54)."""
     models = [runtime.target] + [m for m in [runtime.draft] if m not in (None, runtime.target)]
-    runtime.generate(prompts[0], config, policy)  # warm-up
-    seconds, rounds, levels = 0.0, 0, 0
-    for prompt in prompts:
-        with timed_passes(*models) as times:
-            stats = runtime.generate(prompt, config, policy).stats
-        target, draft = times[0][1:], (times[1:] or [[]])[0]
-        priced = sum(curves.target_pass(w) for w, _ in target) + sum(
-            curves.draft_step(w) for w, _ in draft[len(draft) - stats.draft_steps:])
-        seconds += stats.round_seconds - priced - curves.decision * stats.draft_steps
-        rounds += stats.target_calls - 1  # the prefill is not a round
-        levels += stats.drafted_levels
-    return Outside(seconds / max(rounds, 1), levels / max(rounds, 1))
+    for config, policy in runs.values():
+        runtime.generate(prompts[0], config, policy)
+    totals = {name: np.zeros(3) for name in runs}  # seconds, rounds, levels
+    names = list(runs)
+    for i, prompt in enumerate(prompts):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            with timed_passes(*models) as times:
+                stats = runtime.generate(prompt, *runs[name]).stats
+            target, draft = times[0][1:], (times[1:] or [[]])[0]
+            priced = sum(costs.target.price(w) for w, _ in target) + sum(
+                costs.draft_step(w) for w, _ in draft[len(draft) - stats.draft_steps:])
+            totals[name] += (stats.round_seconds - priced * costs.target_step,
+                             stats.target_calls - 1,  # the prefill is not a round
+                             stats.drafted_levels)
+    return {name: Outside(seconds / max(rounds, 1), levels / max(rounds, 1))
+            for name, (seconds, rounds, levels) in totals.items()}

@@ -210,6 +210,7 @@ def load_stop_model(path: Path) -> LearnedPolicy:
     policy = LearnedPolicy(module, meta, str(path))
     for _ in range(2):  # TorchScript profiles the first calls: keep them out of decoding
         check_probabilities(policy, path)
+    policy.calls, policy.seconds = 0, 0.0  # the probes are not decisions
     return policy
 
 

@@ -213,6 +213,15 @@ def test_a_tree_s_model_calls_are_counted_as_decisions():
     assert policy.calls == 2 and policy.seconds > 0
 
 
+def test_a_loaded_model_counts_no_decision_before_it_decodes(tmp_path):
+    """Its probe calls (the checks, TorchScript's profiling runs) are not the bench's
+    decisions."""
+    policy = load_stop_model(write_stop_model(tmp_path / "stop_model.pt"))
+    assert (policy.calls, policy.seconds) == (0, 0.0)
+    policy.probabilities(level_features([0.2, 0.9], 1))
+    assert policy.calls == 1 and policy.seconds > 0
+
+
 def test_threshold_rule_continues_above_t():
     policy = identity_policy(threshold=0.5)
     go_on = policy(level_features([0.2, 0.5, 0.9], 1), torch.zeros(3, dtype=torch.long))

@@ -17,7 +17,7 @@ from specstop.decoder import dynamic, methods, overhead
 from specstop.decoder.costs import CostCurve, CostModel, RoundWork
 from specstop.decoder.kv import KVModel
 from specstop.decoder.methods import DecodeConfig
-from specstop.decoder.overhead import (Curves, measuring_policy, outside_per_round,
+from specstop.decoder.overhead import (measuring_policy, measuring_runs, outside_per_round,
                                        round_overhead, timed_passes)
 from specstop.decoder.sampling import Sampling
 from specstop.drafts.loading import load_runtime
@@ -39,10 +39,15 @@ def prompts(runtime) -> list[torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def curves() -> Curves:
-    """Curves that price every pass and decision at a microsecond, so what a round spends
-    shows whole, whatever else shares the host when the tests run."""
-    return Curves(CostCurve({1: 1e-6, 16: 2e-6}), CostCurve({1: 1e-6}), 1e-6)
+def costs() -> CostModel:
+    """Costs that price every pass and decision at a microsecond, so what a round spends shows
+    whole, whatever else shares the host when the tests run."""
+    return CostModel((1,), CostCurve({1: 1e-6, 16: 2e-6}), CostCurve({1: 1e-6}), 1e-6)
+
+
+def outside(runtime, prompts, config, costs, policy=None) -> overhead.Outside:
+    """One decoding's figure."""
+    return outside_per_round(runtime, prompts, {"run": (config, policy)}, costs)["run"]
 
 
 def policy():
@@ -62,7 +67,7 @@ def test_every_pass_is_timed_once_and_the_models_are_restored(runtime, prompts) 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_host_work_outside_the_passes_is_what_the_overhead_counts(
-        runtime, prompts, curves, monkeypatch, temperature: float) -> None:
+        runtime, prompts, costs, monkeypatch, temperature: float) -> None:
     """A round that sleeps outside its passes and decisions spends the sleep beyond what its
     passes are priced at; the overhead is finite and in `ar` steps."""
     config = replace(CONFIG, method="tree", sampling=Sampling(temperature))
@@ -73,9 +78,9 @@ def test_host_work_outside_the_passes_is_what_the_overhead_counts(
         return verify_proposal(self, *args)
 
     monkeypatch.setattr(dynamic.DraftedTree, "verify_proposal", slow)
-    outside = outside_per_round(runtime, prompts, config, curves, policy())
-    assert outside.seconds > SLEEP / 2 and outside.levels >= 1
-    work = round_overhead(runtime, prompts, config, policy(), curves)
+    figure = outside(runtime, prompts, config, costs, policy())
+    assert figure.seconds > SLEEP / 2 and figure.levels >= 1
+    work = round_overhead(runtime, prompts, config, policy(), costs)
     assert set(work) == {"tree", "static"}
     assert all(np.isfinite([w.base, w.per_level]).all() and w.per_level >= 0
                for w in work.values())
@@ -84,7 +89,7 @@ def test_host_work_outside_the_passes_is_what_the_overhead_counts(
 
 
 def test_a_pass_slower_in_a_decode_than_its_price_is_charged_to_the_round(
-        runtime, prompts, curves, monkeypatch) -> None:
+        runtime, prompts, costs, monkeypatch) -> None:
     """The target's passes sleep inside the decode, not where the curve was measured: the
     rounds' unpriced seconds hold the sleep once a round (the prefill's aside)."""
     extend = KVModel.extend_with_hidden
@@ -95,44 +100,44 @@ def test_a_pass_slower_in_a_decode_than_its_price_is_charged_to_the_round(
         return extend(self, *args, **kwargs)
 
     config = replace(CONFIG, method="tree")
-    fast = outside_per_round(runtime, prompts, config, curves, policy())
+    fast = outside(runtime, prompts, config, costs, policy())
     monkeypatch.setattr(KVModel, "extend_with_hidden", slow)
-    slowed = outside_per_round(runtime, prompts, config, curves, policy())
+    slowed = outside(runtime, prompts, config, costs, policy())
     assert slowed.seconds - fast.seconds > SLEEP / 2  # taking the passes' seconds out: 0
 
 
-def test_the_decisions_are_taken_out_at_their_price(runtime, prompts, curves) -> None:
+def test_the_decisions_are_taken_out_at_their_price(runtime, prompts, costs) -> None:
     """What the replay charges a decision (one a draft step) is what the overhead takes out,
     whatever the policy's decisions took: a dearer price leaves less, by the price a level."""
     config = replace(CONFIG, method="tree")
-    cheap = outside_per_round(runtime, prompts, config, curves, policy())
-    dear = outside_per_round(runtime, prompts, config, replace(curves, decision=10.0), policy())
+    cheap = outside(runtime, prompts, config, costs, policy())
+    dear = outside(runtime, prompts, config, replace(costs, decision=10.0), policy())
     assert cheap.levels == dear.levels  # the same rounds (greedy)
     assert cheap.seconds - dear.seconds == pytest.approx((10.0 - 1e-6) * cheap.levels, rel=0.02)
 
 
-def test_a_levels_host_work_is_charged_per_level(runtime, prompts, curves, monkeypatch) -> None:
+def test_a_levels_host_work_is_charged_per_level(runtime, prompts, costs, monkeypatch) -> None:
     """A static round that sleeps in every level it drafts: its deeper measurement spends the
     sleep more a level (at least half of it, whatever else shares the host), and the static
     line is the one through its two measurements."""
-    draft_level, outside = methods.draft_level, overhead.outside_per_round
-    measured = []
+    draft_level, measure = methods.draft_level, overhead.outside_per_round
+    measured = {}
 
     def slow(*args, **kwargs):
         time.sleep(LEVEL_SLEEP)
         return draft_level(*args, **kwargs)
 
     def recorded(*args):
-        measured.append(outside(*args))
-        return measured[-1]
+        measured.update(measure(*args))
+        return measured
 
     monkeypatch.setattr(methods, "draft_level", slow)
     monkeypatch.setattr(overhead, "outside_per_round", recorded)
-    work = round_overhead(runtime, prompts, CONFIG, policy(), curves)
-    ar, shallow, deep = measured[0], *measured[3:]  # ar, `tree` twice, static twice
+    work = round_overhead(runtime, prompts, CONFIG, policy(), costs)
+    ar, shallow, deep = measured["ar"], measured["static"], measured["static_deep"]
     assert shallow.levels == 1 and deep.levels > 1.5
     assert (deep.seconds - shallow.seconds) / (deep.levels - shallow.levels) > LEVEL_SLEEP / 2
-    assert work["static"] == overhead._line([shallow, deep], ar, curves.target.ar_seconds)
+    assert work["static"] == overhead._line([shallow, deep], ar, costs.target.ar_seconds)
     assert work["static"].per_level > 0
 
 
@@ -152,27 +157,45 @@ def test_the_line_goes_through_the_deeper_figure_and_never_falls_per_level() -> 
 
 
 def test_the_static_rounds_decode_the_first_level_then_chains_without_a_dynamic_tree(
-        runtime, prompts, curves, monkeypatch) -> None:
-    trees, calls = [], []
-    init, outside = dynamic.DraftedTree.__init__, overhead.outside_per_round
+        runtime, prompts, monkeypatch) -> None:
+    trees = []
+    init = dynamic.DraftedTree.__init__
     monkeypatch.setattr(dynamic.DraftedTree, "__init__",
                         lambda self, *args: trees.append(1) or init(self, *args))
+    runs = measuring_runs(CONFIG, policy())
+    assert [runs[k][0].method for k in runs] == ["ar", "tree", "tree", "mcsd", "mcsd"]
+    for name, depth in (("static", 1), ("static_deep", overhead.MEASURING_STATIC_DEPTH)):
+        config, fixed = runs[name]
+        assert config.mcsd_branching == (2,) and fixed.gamma == depth
+        runtime.generate(prompts[0], config, fixed)
+    assert not trees  # no dynamic tree built
+    assert [runs[k][0].max_depth for k in ("tree", "tree_deep")] == [1, CONFIG.max_depth]
+    runtime.generate(prompts[0], *runs["tree_deep"])
+    assert trees
 
-    def counted(runtime, prompts, config, curves, policy=None):
-        before = len(trees)
-        result = outside(runtime, prompts, config, curves, policy)
-        calls.append((config, policy, len(trees) - before))
-        return result
 
-    monkeypatch.setattr(overhead, "outside_per_round", counted)
-    work = round_overhead(runtime, prompts, CONFIG, policy(), curves)
-    static = [(policy.gamma, built) for config, policy, built in calls
-              if config.method == "mcsd" and config.mcsd_branching == (2,)]
-    assert static == [(1, 0), (overhead.MEASURING_STATIC_DEPTH, 0)]  # no dynamic tree built
-    dynamic_calls = [(config.max_depth, built) for config, _, built in calls
-                     if config.method == "tree"]
-    assert [depth for depth, _ in dynamic_calls] == [1, CONFIG.max_depth]
-    assert all(built > 0 for _, built in dynamic_calls) and np.isfinite(work["static"].base)
+def test_every_prompt_is_decoded_by_every_run_in_a_turning_order(runtime, prompts, costs,
+                                                                  monkeypatch) -> None:
+    """Interleaved, so a drift of the host's speed falls on every run alike: after one warm-up
+    each, prompt i is decoded by every run, starting at run i (mod the runs)."""
+    order = []
+    generate = type(runtime).generate
+
+    def recorded(self, prompt, config, policy=None):
+        order.append((config.method, config.max_depth, len(prompt)))
+        return generate(self, prompt, config, policy)
+
+    monkeypatch.setattr(type(runtime), "generate", recorded)
+    runs = {"ar": (replace(CONFIG, method="ar"), None),
+            "deep": (replace(CONFIG, method="tree"), policy()),
+            "shallow": (replace(CONFIG, method="tree", max_depth=1), policy())}
+    figures = outside_per_round(runtime, prompts * 2, runs, costs)
+    assert set(figures) == set(runs) and figures["ar"].levels == 0 < figures["shallow"].levels
+    keys = [(c.method, c.max_depth) for c, _ in runs.values()]
+    length = [len(p) for p in prompts * 2]
+    expected = [(*k, length[0]) for k in keys] + [
+        (*keys[(i + j) % 3], length[i]) for i in range(4) for j in range(3)]
+    assert order == expected
 
 
 def test_the_cost_model_reads_the_overhead_and_the_tree_replay_charges_drafted_rounds(
