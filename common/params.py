@@ -338,6 +338,17 @@ class StopTrainConfig(Section):
         return getattr(self, family).model_dump()
 
 
+class SettleConfig(Section):
+    """Where the replay ranks the exported tree and the static shape within `margin` of each
+    other, both are decoded in turn on val prompts and the measured faster is exported
+    (`models.settle`); margin 0: the replay decides alone."""
+
+    margin: NonNegFloat = 0.05
+    prompts: PosInt = 24  # val prompts of collect.prompts, the sources interleaved
+    max_new_tokens: PosInt = 64
+    seed: Seed = 0
+
+
 class ExportConfig(Section):
     train: Path = paths.TRAIN
     data: Path = paths.COLLECT
@@ -347,6 +358,7 @@ class ExportConfig(Section):
     tree_implementation: Literal["tree_trav", "perf_tree_trav", "gemm"] = "tree_trav"
     registered_model: str = Field("specstop-stop-model", min_length=1)
     costs: Path | None = None  # another machine's costs.json: re-tune the tree rules for it
+    settle: SettleConfig = SettleConfig()  # this machine's only: not with `costs`
 
 
 class BenchConfig(Section):

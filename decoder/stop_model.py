@@ -11,8 +11,9 @@ The rules are those the replay tuned, with the arithmetic both share (`.policy`)
   behind the round gate `round_gate` (`.round_gate`; none: every round drafts); `fallback: ar`
   where no drafting policy beat `ar` in the replay on the cost curve it was tuned for: the
   gate then never opens and the loop runs plain `ar`; `static_tree` / `sampling_static_tree`,
-  the static shape that replayed faster than the tree greedy / sampled, which the loop then
-  decodes instead (`.methods.with_static_fallback`); `lookup_model`, the lookup chain's
+  the static shape that replayed faster than the tree greedy / sampled (or, where the two
+  replayed close, decoded faster on val prompts: `settled`), which the loop then decodes
+  instead (`.methods.with_static_fallback`); `lookup_model`, the lookup chain's
   P(accepted | parent accepted) (`.lookup.LookupModel`) when a greedy round adds the chain;
 - threshold: continue below a node while p-hat > t;
 - cost_aware: continue below a node while P_d * p-hat_d / (c + v)_d > rho: P_d the product of
@@ -178,9 +179,13 @@ class LearnedPolicy:
         if shape is not None and not lookup_branch:
             static = self.meta[STATIC_KEYS[greedy]]
             tree = self.meta["gated_speedup" if greedy else "sampling_tree_speedup"]
+            settled = (self.meta.get("settled") or {}).get("greedy" if greedy else "sampling")
+            why = (f"it decoded {settled['static_vs_tree']['ratio']:.3f}x the learned tree's "
+                   f"speed on {settled['prompts']} val prompts (the export's settle)" if settled
+                   else f"it beat the learned tree in the replay on its cost curve "
+                   f"({static['speedup']:.3f}x ar against {tree:.3f}x)")
             return (f"stop model: {family} decodes the static tree {list(shape.widths)} to depth "
-                    f"{shape.depth}: it beat the learned tree in the replay on its cost curve "
-                    f"({static['speedup']:.3f}x ar against {tree:.3f}x)")
+                    f"{shape.depth}: {why}")
         if self.round_gate is not None and self.round_gate.never:
             return (f"stop model: {family} falls back to ar: no drafting policy beat ar in the "
                     f"replay on its cost curve (its tree {self.meta['tree_speedup']:.3f}x ar); "

@@ -503,6 +503,8 @@ def _summary(entries: dict[str, Entry], bench: Bench, dataset: data.Dataset,
             "lookup_model": None if trees.lookup_model is None else trees.lookup_model.as_dict(),
             "best_static_tree": {"method": trees.best_static,
                                  **trees.tuned[trees.best_static].setting},
+            "static_shapes": {"greedy": trees.static_shape(),  # what the export settles against
+                              "sampling": None if sampling is None else sampling.static_shape()},
             "tree_rule": "per node survival s = product of p along its path; after each draft "
                          "step feed the candidates with s > expand (at most max_width); verify "
                          "the n best by s (closed under parents and earlier siblings), n "

@@ -5,9 +5,12 @@ metrics/export.json.
 Each file is checked on the val rows after a round trip through the file: its predictions must
 equal the trained model's within `tolerance`, or the stage fails.  The winner is the family
 whose dynamic tree (`tree_rule` in the metadata) is fastest in the val replay; ties go to the
-lower decision latency of the exported file.  With `export.costs` (another machine's
-costs.json) every family's tree rule is re-tuned on val for that cost curve before export:
-the same predictions, the trees that pay there, and their round gates (`models.round_gate`):
+lower decision latency of the exported file.  Where the winner's tree and the best static
+shape replayed within `export.settle.margin` of each other, the two are decoded on val prompts
+and the faster is the one the file decodes (`models.settle`; this machine's only).  With
+`export.costs` (another machine's costs.json) every family's tree rule is re-tuned on val for
+that cost curve before export: the same predictions, the trees that pay there, and their round
+gates (`models.round_gate`):
 where no drafting policy beats `ar` on that curve the exported rule says `fallback: ar`, and
 where the best static shape beats the tree and `ar` there the file names it (`static_tree`, the
 shape the decoder then drafts; none sampled, `sampling_static_tree`, whose replay was this
@@ -22,6 +25,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -37,14 +41,17 @@ from specstop.decoder.policy import confidence_score
 from specstop.decoder.stop_model import STATIC_KEYS, LearnedPolicy, read_stop_model
 from specstop.features import feature_index
 
-from . import evaluate, scripted, tree_report
+from . import evaluate, scripted, settle, tree_report
 
 
 WINNER_FILE = "stop_model.pt"
 
 
-def export(config: ExportConfig, store: TrackingStore) -> dict:
-    """Export, check and time every family; copy and register the winner; write the metrics."""
+def export(config: ExportConfig, store: TrackingStore,
+           decoding: Callable[[], settle.Decoding] | None = None) -> dict:
+    """Export, check and time every family; settle the winner's kind of round by decoding
+    (`decoding`: what to decode with, made where the settle needs it; none: the replay
+    decides); copy and register the winner; write the metrics."""
     tracking.check(tracking.tracking_uri(store.uri))  # before the work, not after
     own = summary = _summary(config.train)
     costs = _costs(config.costs)
@@ -57,12 +64,16 @@ def export(config: ExportConfig, store: TrackingStore) -> dict:
     for family in tqdm(summary["families"], desc="export", unit="model"):
         families[family], metas[family] = _export_one(family, summary, X, level, config)
     winner = _winner(families)
+    if costs is None and decoding is not None:
+        metas[winner] = _settled(config.out / f"{winner}.pt", metas[winner], summary,
+                                 config.settle.margin, decoding)
     path = config.out / WINNER_FILE
     write_atomic(path, lambda tmp: shutil.copyfile(config.out / f"{winner}.pt", tmp))
     registered = _register(path, metas[winner], families[winner], config, store)
     metrics = {"winner": winner, "file": str(path), "val_rows": int(len(X)),
                "tolerance": config.tolerance,
                "max_abs_diff": families[winner]["max_abs_diff"], **registered,
+               "settled": metas[winner].get("settled"),
                "vs_ar": {"own": _vs_ar(own["families"][winner]),
                          "export_costs": _vs_ar(summary["families"][winner]) if costs else None},
                "families": families}
@@ -116,6 +127,17 @@ def _retuned(summary: dict, dataset: data.Dataset, costs: CostModel, X: np.ndarr
                      static_tree=trees.static_fallback(f, trees.gates[f].result.speedup),
                      sampling_static_tree=None)  # this machine's sampled replay: not there
     return out
+
+
+def _settled(path: Path, meta: dict, summary: dict, margin: float,
+             decoding: Callable[[], settle.Decoding]) -> dict:
+    """The winner's metadata after the settle (`models.settle`), its file (`path`) re-written
+    with it where the settle decoded."""
+    module, _ = read_stop_model(path)
+    settled = settle.settle(module, meta, summary.get("static_shapes") or {}, margin, decoding)
+    if settled is not meta:
+        scripted.save(module, settled, path)
+    return settled
 
 
 def _vs_ar(entry: dict) -> dict:

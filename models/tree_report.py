@@ -60,14 +60,17 @@ class Ranking:
         """The fastest family's dynamic tree."""
         return fastest(self.tuned, self.families) if self.families else None
 
-    def static_fallback(self, family: str, speed: float) -> dict | None:
-        """The best shape of the static grid (`static_tree`: widths, depth and its speed) where
-        it replayed faster than `family`'s policy (`speed`) and than `ar`, which the stop model
-        then decodes instead (`decoder.methods.with_static_fallback`); None elsewhere."""
+    def static_shape(self) -> dict:
+        """The best shape of the static grid (`static_tree`): widths, depth and its speed."""
         static = self.tuned["static_tree"]
-        if static.result.speedup <= max(speed, 1.0):
-            return None
         return {**static.setting, "speedup": static.result.speedup}
+
+    def static_fallback(self, family: str, speed: float) -> dict | None:
+        """`static_shape` where it replayed faster than `family`'s policy (`speed`) and than
+        `ar`, which the stop model then decodes instead (`decoder.methods.with_static_fallback`);
+        None elsewhere."""
+        shape = self.static_shape()
+        return shape if shape["speedup"] > max(speed, 1.0) else None
 
     def winner_entry(self) -> dict:
         """The winner's speed, over the best static policy's and the confidence tree's."""

@@ -4,20 +4,33 @@
 from __future__ import annotations
 
 import time
+from typing import Callable
 
+from specstop.common.errors import SpecstopError
 from specstop.common.params import Params
+from specstop.decoder.runtime import decode_config
+from specstop.drafts.loading import require_draft, runtime_from
 from specstop.models.export import WINNER_FILE, export
+from specstop.models.settle import Decoding
+from specstop.prompts.splits import interleave, read_split
 
 
 def run(params: Params) -> dict:
     config = params.export
     start = time.perf_counter()
-    metrics = export(config, params.mlflow.store("train"))
+    decoding = _decoding(params) if config.costs is None and config.settle.margin > 0 else None
+    metrics = export(config, params.mlflow.store("train"), decoding)
     print(table(metrics))
+    for mode, settled in (metrics["settled"] or {}).items():
+        ratio = settled["static_vs_tree"]
+        print(f"export: settled {mode} on {settled['prompts']} val prompts: the static tree at "
+              f"{ratio['ratio']:.3f}x the tree's speed (95% CI {_interval(ratio['ci95'])}), so "
+              f"it decodes the {settled['decodes']} (the replay: the {settled['replay_decodes']})")
     print(f"export: {time.perf_counter() - start:.0f} s; {config.out / WINNER_FILE} "
           f"({metrics['winner']}), registered as {metrics['registered_model']} version "
           f"{metrics['model_version']}; metrics in {config.metrics}")
-    return {"families": len(metrics["families"]), "winner": metrics["winner"]}
+    return {"families": len(metrics["families"]), "winner": metrics["winner"],
+            "settled": {mode: s["decodes"] for mode, s in (metrics["settled"] or {}).items()}}
 
 
 def table(metrics: dict) -> str:
@@ -27,3 +40,28 @@ def table(metrics: dict) -> str:
         rows.append(f"{family:12}{m['rule']:>12}{m['simulated_speedup']:>14.4f}"
                     f"{m['max_abs_diff']:>12.2e}{m['decision_latency_ms']:>13.4f}{mark}")
     return "\n".join(rows)
+
+
+def _decoding(params: Params) -> Callable[[], Decoding]:
+    """What the settle decodes with, made when it is called (the models load only where a mode
+    is contested): `collect`'s trees at `export.settle`'s budget on the first val prompts of
+    `collect.prompts`, the sources in turn; the prompts and the draft checked now, before any
+    work."""
+    settle, collect = params.export.settle, params.collect
+    table = read_split(collect.prompts, "val", ("text", "source"))
+    texts = [table["text"][i] for i in interleave(table["source"])[: settle.prompts]]
+    if not texts:
+        raise SpecstopError(f"{collect.prompts / 'val.parquet'}: no val prompt to settle on")
+    require_draft(params.models.draft)
+
+    def make() -> Decoding:
+        runtime = runtime_from(params.models, params.costs, need_draft=True)
+        tree = collect.model_copy(update={"max_new_tokens": settle.max_new_tokens,
+                                          "temperature": 0.0, "lossy": False})
+        return Decoding(runtime, [runtime.encode(t, chat=False, special_tokens=False)
+                                  for t in texts], decode_config(tree, "tree"), settle.seed)
+    return make
+
+
+def _interval(ci95: list[float] | None) -> str:
+    return "-" if ci95 is None else f"{ci95[0]:.3f}-{ci95[1]:.3f}"

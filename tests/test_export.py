@@ -14,13 +14,15 @@ import pytest
 import torch
 
 from specstop.common.errors import SpecstopError
-from specstop.common.params import ExportConfig
+from specstop.common.params import ExportConfig, SettleConfig
 from specstop.decoder.costs import CostCurve, CostModel
+from specstop.decoder.loop import DecodeConfig
 from specstop.decoder.policy import ConfidenceThreshold, FixedDepth, decoding_rule
 from specstop.decoder.stop_model import LearnedPolicy, load_stop_model, read_stop_model
 from specstop.decoder.tree_rule import TreeRule
 from specstop.features import FEATURES, SCHEMA_VERSION, feature_index
-from specstop.models import experiment, scripted
+from specstop.drafts.loading import load_runtime
+from specstop.models import experiment, scripted, settle
 from specstop.models.export import export
 from specstop.replay import rules
 from specstop.replay.simulate import Replay
@@ -392,3 +394,36 @@ def test_lightgbm_splits_decide_alike_in_float32():
 
     assert converted_error(booster) > 0.1  # the mismatch, without the rounding
     assert converted_error(rounded) < 1e-6
+
+
+def test_a_close_replay_is_settled_in_the_exported_file(exported, tmp_path, tiny_model_dir):
+    """Every replay counted as close (margin 1): the winner is decoded both ways on a tiny
+    model, and the winner's file, `stop_model.pt` and metrics/export.json carry what was
+    measured, the static shape set exactly where it decoded faster; the other files as
+    trained."""
+    config, store, _, _ = exported
+    summary = json.loads((config.train / "summary.json").read_text())
+    runtime = load_runtime(str(tiny_model_dir), str(tiny_model_dir), "float32", "cpu")
+    prompts = [runtime.encode(t, chat=False, special_tokens=False) for t in ("a b c", "1 2 3")]
+    rule = TreeRule.from_dict(summary["families"][summary["winner"]]["tree_rule"])
+    decoding = settle.Decoding(runtime, prompts, DecodeConfig(
+        method="tree", max_new_tokens=6, max_depth=4, mcsd_branching=rule.branching))
+    other = config.model_copy(update={"out": tmp_path / "export", "metrics": tmp_path / "e.json",
+                                      "settle": SettleConfig(margin=1.0)})
+    metrics = export(other, store, lambda: decoding)
+    _, meta = read_stop_model(other.out / "stop_model.pt")
+    _, own = read_stop_model(other.out / f"{metrics['winner']}.pt")
+    assert meta == own and metrics["settled"] == meta["settled"]
+    assert set(meta["settled"]) == {"greedy", "sampling"}
+    for mode, key in (("greedy", "static_tree"), ("sampling", "sampling_static_tree")):
+        settled = meta["settled"][mode]
+        assert settled["static_tree"] == summary["static_shapes"][mode]
+        assert settled["prompts"] == 2 and settled["static_vs_tree"]["ratio"] > 0
+        faster = settled["static_vs_tree"]["ratio"] > 1
+        assert meta[key] == (settled["static_tree"] if faster else None)
+        assert settled["decodes"] == ("static tree" if faster else "tree")
+    for family in set(summary["families"]) - {metrics["winner"]}:
+        assert "settled" not in read_stop_model(other.out / f"{family}.pt")[1]
+    assert export(config.model_copy(update={"out": tmp_path / "far", "metrics": tmp_path / "f.json",
+                                            "settle": SettleConfig(margin=0.0)}), store,
+                  lambda: pytest.fail("decoded with margin 0"))["settled"] is None

@@ -17,6 +17,7 @@ import torch
 import yaml
 
 from specstop.decoder.stop_model import load_stop_model
+from specstop.models import settle
 from specstop.pipeline.params import read_params_file
 from specstop.pipeline.stage_record import read_records
 from specstop.pipeline.workspace import make_workspace
@@ -83,6 +84,17 @@ def test_repro_ends_with_stop_model_metrics_plots_and_runs(smoke: Path):
     assert policy.sampling_rule is not None and policy.sampling_rule.rank_accept
     assert bench["summary"]["sampling"]["best_static"] == "static-tree"
     assert bench["summary"]["sampling"]["winner_vs_best_static"]["ratio"] > 0
+    settled = json.loads((smoke / "metrics/export.json").read_text())["settled"]
+    drafting = {mode for greedy, mode in settle.MODES.items()  # margin 1: every mode where
+                if settle.tree_speed(policy.meta, greedy) is not None}  # its tree drafts
+    assert settled == policy.meta["settled"] and set(settled) == drafting >= {"sampling"}
+    for greedy, mode in settle.MODES.items():  # the measured faster kind
+        if mode not in settled:
+            continue
+        faster = settled[mode]["static_vs_tree"]["ratio"] > 1
+        assert (greedy in policy.static_shapes) == faster
+        assert bench["setup"]["winner_static_tree"][mode] == (
+            settled[mode]["static_tree"] if faster else None)
     assert (smoke / "metrics/bench_plots/speedup.png").stat().st_size > 0
     assert len(list((smoke / "metrics/train_plots/speedup").glob("*.csv"))) >= 4
     assert (smoke / "metrics/draft_plots/learning_curve.csv").is_file()
