@@ -143,7 +143,7 @@ def outside_per_round(runtime: Runtime, prompts: list[torch.Tensor], runs: dict[
     totals = {name: np.zeros(3) for name in runs}  # seconds, rounds, levels
     names = list(runs)
     for i, prompt in enumerate(prompts):
-        for name in names[i % len(names):] + names[: i % len(names)]:
+        for name in (names[k] for k in rotated(len(names), i)):
             with timed_passes(*models) as times:
                 stats = runtime.generate(prompt, *runs[name]).stats
             target, draft = times[0][1:], (times[1:] or [[]])[0]
@@ -154,3 +154,9 @@ def outside_per_round(runtime: Runtime, prompts: list[torch.Tensor], runs: dict[
                              stats.drafted_levels)
     return {name: Outside(seconds / max(rounds, 1), levels / max(rounds, 1))
             for name, (seconds, rounds, levels) in totals.items()}
+
+
+def rotated(n: int, shift: int) -> list[int]:
+    """0..n-1 starting at `shift` mod n: the order of decodings timed in turn, turned by one a
+    prompt (here and `evaluation.side_by_side`)."""
+    return [(shift + k) % n for k in range(n)]

@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from specstop.decoder.loop import DecodeConfig, DecodeStats, Generation
+from specstop.decoder.overhead import rotated
 from specstop.decoder.policy import StoppingPolicy
 from specstop.decoder.runtime import Runtime
 from specstop.prompts.sources import humaneval_request
@@ -115,11 +116,6 @@ def bench_methods(runtime: Runtime, prompts: list[torch.Tensor], methods: list[M
         if divergence:
             result.divergence_gaps = [gap[(i, tuple(t))] for i, t in enumerate(result.outputs)]
     return results
-
-
-def rotated(n: int, shift: int) -> list[int]:
-    """0..n-1 starting at `shift` mod n."""
-    return [(shift + k) % n for k in range(n)]
 
 
 def score_humaneval(runtime: Runtime, results: list[MethodResult], problems: list[dict]) -> None:

@@ -48,14 +48,16 @@ WINNER_FILE = "stop_model.pt"
 
 
 def export(config: ExportConfig, store: TrackingStore,
-           decoding: Callable[[], settle.Decoding] | None = None) -> dict:
+           decoding: settle.DecodingSource | None = None) -> dict:
     """Export, check and time every family; settle the winner's kind of round by decoding
-    (`decoding`: what to decode with, made where the settle needs it; none: the replay
-    decides); copy and register the winner; write the metrics."""
+    (`decoding`: what to decode with; none: the replay decides); copy and register the winner;
+    write the metrics."""
     tracking.check(tracking.tracking_uri(store.uri))  # before the work, not after
     own = summary = _summary(config.train)
     costs = _costs(config.costs)
     dataset = _dataset(config.data, summary)
+    if costs is None and decoding is not None:
+        decoding.check()
     X = dataset.val.features
     if costs is not None:
         summary = _retuned(summary, dataset, costs, X, config)
@@ -66,7 +68,7 @@ def export(config: ExportConfig, store: TrackingStore,
     winner = _winner(families)
     if costs is None and decoding is not None:
         metas[winner] = _settled(config.out / f"{winner}.pt", metas[winner], summary,
-                                 config.settle.margin, decoding)
+                                 config.settle.margin, decoding.load)
     path = config.out / WINNER_FILE
     write_atomic(path, lambda tmp: shutil.copyfile(config.out / f"{winner}.pt", tmp))
     registered = _register(path, metas[winner], families[winner], config, store)

@@ -41,6 +41,15 @@ class Decoding:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class DecodingSource:
+    """Where the settle's `Decoding` comes from: `check` its inputs (before any work), `load`
+    the models and prompts (only where a mode is contested)."""
+
+    check: Callable[[], None]
+    load: Callable[[], Decoding]
+
+
 def contested(meta: dict, shapes: dict[str, dict | None], margin: float) -> dict[bool, dict]:
     """By greedy: the static shape (`shapes[mode]`: widths, depth, replayed speed) whose replay
     is within `margin` (relative) of the stop model's tree's, in the modes where its tree

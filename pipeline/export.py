@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
 
 from specstop.common.errors import SpecstopError
 from specstop.common.params import Params
 from specstop.decoder.runtime import decode_config
 from specstop.drafts.loading import require_draft, runtime_from
 from specstop.models.export import WINNER_FILE, export
-from specstop.models.settle import Decoding
+from specstop.models.settle import Decoding, DecodingSource
 from specstop.prompts.splits import interleave, read_split
 
 
@@ -42,25 +41,30 @@ def table(metrics: dict) -> str:
     return "\n".join(rows)
 
 
-def _decoding(params: Params) -> Callable[[], Decoding]:
-    """What the settle decodes with, made when it is called (the models load only where a mode
-    is contested): `collect`'s trees at `export.settle`'s budget on the first val prompts of
-    `collect.prompts`, the sources in turn; the prompts and the draft checked now, before any
-    work."""
+def _decoding(params: Params) -> DecodingSource:
+    """What the settle decodes with: `collect`'s trees at `export.settle`'s budget on the first
+    val prompts of `collect.prompts`, the sources in turn; the models load only where a mode is
+    contested."""
     settle, collect = params.export.settle, params.collect
-    table = read_split(collect.prompts, "val", ("text", "source"))
-    texts = [table["text"][i] for i in interleave(table["source"])[: settle.prompts]]
-    if not texts:
-        raise SpecstopError(f"{collect.prompts / 'val.parquet'}: no val prompt to settle on")
-    require_draft(params.models.draft)
 
-    def make() -> Decoding:
+    def texts() -> list[str]:
+        table = read_split(collect.prompts, "val", ("text", "source"))
+        chosen = [table["text"][i] for i in interleave(table["source"])[: settle.prompts]]
+        if not chosen:
+            raise SpecstopError(f"{collect.prompts / 'val.parquet'}: no val prompt to settle on")
+        return chosen
+
+    def check() -> None:
+        texts()
+        require_draft(params.models.draft)
+
+    def load() -> Decoding:
         runtime = runtime_from(params.models, params.costs, need_draft=True)
         tree = collect.model_copy(update={"max_new_tokens": settle.max_new_tokens,
                                           "temperature": 0.0, "lossy": False})
         return Decoding(runtime, [runtime.encode(t, chat=False, special_tokens=False)
-                                  for t in texts], decode_config(tree, "tree"), settle.seed)
-    return make
+                                  for t in texts()], decode_config(tree, "tree"), settle.seed)
+    return DecodingSource(check, load)
 
 
 def _interval(ci95: list[float] | None) -> str:

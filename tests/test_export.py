@@ -410,7 +410,7 @@ def test_a_close_replay_is_settled_in_the_exported_file(exported, tmp_path, tiny
         method="tree", max_new_tokens=6, max_depth=4, mcsd_branching=rule.branching))
     other = config.model_copy(update={"out": tmp_path / "export", "metrics": tmp_path / "e.json",
                                       "settle": SettleConfig(margin=1.0)})
-    metrics = export(other, store, lambda: decoding)
+    metrics = export(other, store, settle.DecodingSource(lambda: None, lambda: decoding))
     _, meta = read_stop_model(other.out / "stop_model.pt")
     _, own = read_stop_model(other.out / f"{metrics['winner']}.pt")
     assert meta == own and metrics["settled"] == meta["settled"]
@@ -426,4 +426,18 @@ def test_a_close_replay_is_settled_in_the_exported_file(exported, tmp_path, tiny
         assert "settled" not in read_stop_model(other.out / f"{family}.pt")[1]
     assert export(config.model_copy(update={"out": tmp_path / "far", "metrics": tmp_path / "f.json",
                                             "settle": SettleConfig(margin=0.0)}), store,
-                  lambda: pytest.fail("decoded with margin 0"))["settled"] is None
+                  settle.DecodingSource(lambda: None, lambda: pytest.fail("decoded with margin 0"))
+                  )["settled"] is None
+
+
+def test_the_settle_s_inputs_are_checked_before_any_work(exported, tmp_path):
+    """After the export's own inputs (tracking, summary, rows) and before any file is written."""
+    config, store, _, _ = exported
+    other = config.model_copy(update={"out": tmp_path / "export", "metrics": tmp_path / "e.json"})
+
+    def missing() -> None:
+        raise SpecstopError("data/prompts/val.parquet: prompts not found")
+
+    with pytest.raises(SpecstopError, match="val.parquet"):
+        export(other, store, settle.DecodingSource(missing, lambda: pytest.fail("loaded")))
+    assert not other.out.exists() and not other.metrics.exists()
