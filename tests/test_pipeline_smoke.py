@@ -84,10 +84,11 @@ def test_repro_ends_with_stop_model_metrics_plots_and_runs(smoke: Path):
     assert policy.sampling_rule is not None and policy.sampling_rule.rank_accept
     assert bench["summary"]["sampling"]["best_static"] == "static-tree"
     assert bench["summary"]["sampling"]["winner_vs_best_static"]["ratio"] > 0
-    settled = json.loads((smoke / "metrics/export.json").read_text())["settled"]
-    drafting = {mode for greedy, mode in settle.MODES.items()  # margin 1: every mode where
-                if settle.tree_speed(policy.meta, greedy) is not None}  # its tree drafts
-    assert settled == policy.meta["settled"] and set(settled) == drafting >= {"sampling"}
+    settled = json.loads((smoke / "metrics/export.json").read_text())["settled"] or {}
+    shapes = json.loads((smoke / "data/train/summary.json").read_text())["static_shapes"]
+    margin = read_params_file(smoke / "params.yaml")["export"]["settle"]["margin"]
+    contested = {settle.MODES[greedy] for greedy in settle.contested(policy.meta, shapes, margin)}
+    assert set(settled) == contested and settled == policy.meta.get("settled", {})
     for greedy, mode in settle.MODES.items():  # the measured faster kind
         if mode not in settled:
             continue
