@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from matplotlib.ticker import MaxNLocator
@@ -52,6 +52,9 @@ class Inputs:
     simulated: dict[str, dict[str, float]]  # mode -> method -> simulated speedup on val
     resamples: int
     seed: int
+    winners: dict[str, str] = field(default_factory=lambda: {
+        "greedy": EXPORTED, "sampling": EXPORTED})  # mode -> the method decoding the exported
+    # file as it says (`tree+stop_model+lookup` where it adds the lookup branch)
 
 
 def write(inputs: Inputs, setup: dict, latency: dict, path: Path, folder: Path) -> dict:
@@ -59,8 +62,8 @@ def write(inputs: Inputs, setup: dict, latency: dict, path: Path, folder: Path) 
     greedy = _mode(inputs, "greedy")
     sampling = _mode(inputs, "sampling") if "sampling" in inputs.results else {}
     summary = {**_summary(inputs, greedy), "sampling": _sampling_summary(inputs, sampling)}
-    metrics = {**greedy, "sampling": sampling, "setup": setup,
-               "latency": latency, "summary": summary, "targets": _targets(greedy, summary)}
+    metrics = {**greedy, "sampling": sampling, "setup": setup, "latency": latency,
+               "summary": summary, "targets": _targets(greedy, summary, inputs.winners["greedy"])}
     write_json(path, metrics)
     _per_prompt_csv(inputs, folder / "per_prompt.csv")
     for mode, entries in inputs.results.items():
@@ -139,13 +142,14 @@ def _sampling_summary(inputs: Inputs, sampling: dict) -> dict:
     domain (None where the sampling run lacks them)."""
     static = [name for name in STATIC if name in sampling]
     best = max(static, key=lambda name: sampling[name]["tokens_per_s"]) if static else None
-    winner = sampling.get(EXPORTED)
+    name = inputs.winners["sampling"]
+    winner = sampling.get(name)
 
     def by(a: str, b: str | None) -> dict | None:
         return by_domain(inputs, "sampling", a, b) if a in sampling and b in sampling else None
 
-    return {"best_static": best,
-            "winner_vs_best_static": ratio(inputs, "sampling", EXPORTED, best).as_dict()
+    return {"winner": name if winner else None, "best_static": best,
+            "winner_vs_best_static": ratio(inputs, "sampling", name, best).as_dict()
             if winner and best else None,
             "winner_vs_ar": _speedup(winner) if winner else None,
             "winner_measured_over_simulated": winner.get("measured_over_simulated")
@@ -173,16 +177,17 @@ def _summary(inputs: Inputs, greedy: dict) -> dict:
 
     lossless = [m for name, m in greedy.items() if "lossy" not in name]
     gaps = [m["max_divergence_gap"] for m in lossless if m["max_divergence_gap"] is not None]
-    return {"winner": EXPORTED if EXPORTED in greedy else None, "best_static": best_static,
+    winner = inputs.winners["greedy"]
+    return {"winner": winner if winner in greedy else None, "best_static": best_static,
             "hf_assisted_best": best_peer,
             "prompts": len(inputs.prompt_ids), "domains": sorted(set(inputs.domains)),
             "prompts_per_domain": dict(sorted(Counter(inputs.domains).items())),
             "max_divergence_gap": max(gaps) if gaps else None,
-            "winner_vs_best_static": vs(EXPORTED, best_static), "winner_vs_ar": vs(EXPORTED, AR),
-            "winner_vs_sd": vs(EXPORTED, SD), "winner_vs_hf_assisted": vs(EXPORTED, best_peer),
-            "winner_vs_confidence_tree": vs(EXPORTED, CONFIDENCE_TREE),
-            "winner_decision_share": greedy.get(EXPORTED, {}).get("decision_share"),
-            "winner_measured_over_simulated": greedy.get(EXPORTED, {}).get(
+            "winner_vs_best_static": vs(winner, best_static), "winner_vs_ar": vs(winner, AR),
+            "winner_vs_sd": vs(winner, SD), "winner_vs_hf_assisted": vs(winner, best_peer),
+            "winner_vs_confidence_tree": vs(winner, CONFIDENCE_TREE),
+            "winner_decision_share": greedy.get(winner, {}).get("decision_share"),
+            "winner_measured_over_simulated": greedy.get(winner, {}).get(
                 "measured_over_simulated"),
             "sd_vs_hf_assisted_same_draft": vs(inputs.same_draft_sd, best_peer),
             "aa_noise": vs(AA, AR), "lookup": _lookup_summary(inputs, greedy)}
@@ -200,10 +205,11 @@ def _lookup_summary(inputs: Inputs, greedy: dict) -> dict:
             for key, (a, b) in pairs.items()}
 
 
-def _targets(greedy: dict, summary: dict) -> dict:
-    """Checks against the best static method and transformers, decided by the interval: true
-    when it lies above 1, false when below, null when it contains 1 (or is unknown)."""
-    ratio_ = greedy.get(EXPORTED, {}).get("measured_over_simulated")
+def _targets(greedy: dict, summary: dict, winner: str) -> dict:
+    """Checks of the exported policy (`winner`, its greedy method) against the best static
+    method and transformers, decided by the interval: true when it lies above 1, false when
+    below, null when it contains 1 (or is unknown)."""
+    ratio_ = greedy.get(winner, {}).get("measured_over_simulated")
     vs_static, share = summary["winner_vs_best_static"], summary["winner_decision_share"]
     return {"winner_faster_than_best_static": _above_one(vs_static),
             "winner_8pct_over_best_static": None if vs_static is None else bool(
@@ -345,7 +351,8 @@ def claims(metrics: dict) -> list[str]:
     sampled = s.get("sampling") or {}
     if sampled.get("winner_vs_best_static") is not None:
         replayed = sampled.get("winner_measured_over_simulated")
-        lines.append(f"sampling: exported policy vs the best static method sampled "
+        lines.append(f"sampling: exported policy ({sampled.get('winner')}) vs the best static "
+                     f"method sampled "
                      f"({sampled['best_static']}): {_ci(sampled['winner_vs_best_static'])}; "
                      f"vs ar {_ci(sampled['winner_vs_ar'])}"
                      + ("" if replayed is None else f"; its rounds vs its replay {replayed:.2f}"))
@@ -401,7 +408,7 @@ def table(metrics: dict) -> str:
     latency, nan = metrics["latency"], float("nan")
     rows += claims(metrics)
     share = metrics["summary"].get("winner_decision_share")
-    gated = metrics.get(EXPORTED, {}).get("gated_share")
+    gated = metrics.get(metrics["summary"]["winner"] or EXPORTED, {}).get("gated_share")
     rows.append(f"exported policy's decisions: {100 * (share if share is not None else nan):.2f}% "
                 f"of its decode time ({latency['draft_step_ms'].get('1', nan):.3f} ms per draft "
                 f"step), {100 * (gated if gated is not None else nan):.1f}% of its rounds not "

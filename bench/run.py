@@ -1,19 +1,20 @@
 """Stage `bench`'s work: every method side by side on the held-out test prompts, greedy and
 sampling, in one process: `ar` (twice: the A/A noise floor); `sd` at its best fixed γ; `mcsd`
 and `ti-mcsd` static and `static-tree`, the replay's best static shape (each mode's own: the
-greedy replay's, the sampled replay's); the dynamic trees
-(method `tree`): `tree+confidence` (EAGLE-2-style, the draft's path confidence) and
-`tree+stop_model` (the exported winner, the policy the pipeline ships), each with the rule the
-replay tuned, and `tree+stop_model+lookup`, the winner's tree with the prompt-lookup chain
-as one more source (`decoder.dynamic`); the level-wise stop on `ti-mcsd` (the confidence
-threshold and each exported model); the published lossy `ti-mcsd --lossy`, static (the models
-never saw lossy rounds); and the peers on equal terms: a plain draft (`bench.assistant_draft`,
-else the default draft where it is one) run by specstop's `sd` (`sd-compact`) and by
-transformers' assisted generation with the same distribution, dynamic (its defaults) and static
-(`sd`'s γ), plus transformers' prompt-lookup decoding beside specstop's own (`lookup`: the
-same n-gram size and chain length).  Every method is warmed up and the order rotates per prompt;
-ratios carry paired bootstrap intervals (`bench.report`).  Writes metrics/bench.json, a CSV per
-prompt, the results table, plot data and PNGs.
+greedy replay's, the sampled replay's); the dynamic trees (method `tree`): `tree+confidence`
+(EAGLE-2-style, the draft's path confidence) and `tree+stop_model` (the exported winner, the
+policy the pipeline ships), each with the rule the replay tuned, and `tree+stop_model+lookup`,
+the winner's tree with the prompt-lookup chain as one more source (`decoder.dynamic`): the
+exported policy in a mode where its file adds the chain (`export.settle`), which the summary's
+`winner` then names; the level-wise stop on `ti-mcsd` (the confidence threshold and each
+exported model); the published lossy `ti-mcsd --lossy`, static (the models never saw lossy
+rounds); and the peers on equal terms: a plain draft (`bench.assistant_draft`, else the default
+draft where it is one) run by specstop's `sd` (`sd-compact`) and by transformers' assisted
+generation with the same distribution, dynamic (its defaults) and static (`sd`'s γ), plus
+transformers' prompt-lookup decoding beside specstop's own (`lookup`: the same n-gram size and
+chain length). Every method is warmed up and the order rotates per prompt; ratios carry paired
+bootstrap intervals (`bench.report`). Writes metrics/bench.json, a CSV per prompt, the results
+table, plot data and PNGs.
 
 The trees are those the decision models were trained for (params `collect`); `mcsd` and
 `ti-mcsd` draft `ti-mcsd`'s best depth in the tree replay (`metrics/train.json`), `sd` the γ the
@@ -34,7 +35,8 @@ from specstop.common.params import (BENCH_METHODS, STOP_FAMILIES, BenchConfig, C
                                     CostsConfig, ModelsConfig)
 from specstop.decoder.costs import measure_verify_costs
 from specstop.decoder.loop import DecodeConfig
-from specstop.decoder.policy import ConfidenceThreshold, ConfidenceTree, FixedDepth
+from specstop.decoder.policy import (ConfidenceThreshold, ConfidenceTree, FixedDepth,
+                                     exported_lookup_branch)
 from specstop.decoder.runtime import Runtime, decode_config
 from specstop.decoder.stop_model import STATIC_KEYS, LearnedPolicy, load_stop_model
 from specstop.decoder.tree_rule import TreeRule
@@ -102,6 +104,9 @@ def run(config: BenchConfig, models: ModelsConfig, collect: CollectConfig,
     tree, results = _base_config(config, collect, 0.0), {}
     modes = {"greedy": (0.0, config.methods),
              "sampling": (config.temperature, config.sampling_methods)}
+    winners = {mode: report.EXPORTED_LOOKUP
+               if exported_lookup_branch(plan.winner, mode == "greedy") else report.EXPORTED
+               for mode in modes}  # the method that decodes the file its own way, by mode
     for mode, (temperature, chosen) in modes.items():
         methods = _methods(runtime, _base_config(config, collect, temperature), plan, peers,
                            config.prompt_lookup_tokens)
@@ -122,6 +127,7 @@ def run(config: BenchConfig, models: ModelsConfig, collect: CollectConfig,
              "winner_static_tree": {mode: plan.winner.meta.get(STATIC_KEYS[mode == "greedy"])
                                     for mode in ("greedy", "sampling")},  # decoded instead
              # of its tree (null: none)
+             "winner_method": winners,  # by mode: with the lookup branch where the file adds it
              "methods": config.methods,
              "sampling_methods": config.sampling_methods,
              "order": "warm-up decode per method, then the method order rotated per prompt",
@@ -129,7 +135,7 @@ def run(config: BenchConfig, models: ModelsConfig, collect: CollectConfig,
     latency = _latency(runtime, plan, tree.ti_width)
     inputs = report.Inputs(results, test["prompt_id"], test["source"],
                            None if peers is None else peers.sd_name, plan.simulated,
-                           config.bootstrap_resamples, config.seed)
+                           config.bootstrap_resamples, config.seed, winners)
     metrics = report.write(inputs, setup, latency, config.metrics, config.plots)
     print(report.table(metrics))
     print(f"bench: metrics in {config.metrics}, per-prompt CSV, results table and plots in "

@@ -110,7 +110,8 @@ class DecodeParams(TreeConfig):
     gamma: PosInt = 4
     threshold: Probability = 0.4
     stop_model: Path | None = None
-    lookup_branch: bool = False  # `tree`: the prompt-lookup chain as one more branch
+    lookup_branch: bool | Literal["auto"] = "auto"  # `tree`: the prompt-lookup chain as one
+    # more branch; auto: where the stop model's file says it decoded faster (`models.settle`)
 
     @model_validator(mode="after")
     def _gamma_within_depth(self) -> "DecodeParams":
@@ -339,12 +340,14 @@ class StopTrainConfig(Section):
 
 
 class SettleConfig(Section):
-    """Where the replay ranks the exported tree and the static shape within `margin` of each
-    other, both are decoded in turn on val prompts and the measured faster is exported
-    (`models.settle`); margin 0: the replay decides alone."""
+    """The exported tree decoded in turn on val prompts beside the static shape, where the
+    replay ranks the two within `margin` of each other (0: the replay decides alone), and beside
+    itself with the lookup branch (`lookup`); the measured fastest is exported
+    (`models.settle`)."""
 
     margin: NonNegFloat = 0.05
-    prompts: PosInt = 24  # val prompts of collect.prompts, the sources interleaved
+    lookup: bool = True
+    prompts: PosInt = 48  # val prompts of collect.prompts, the sources interleaved
     max_new_tokens: PosInt = 64
     seed: Seed = 0
 

@@ -135,6 +135,12 @@ def static_shape(policy: object, greedy: bool) -> StaticShape | None:
     return getattr(policy, "static_shapes", {}).get(greedy)
 
 
+def exported_lookup_branch(policy: object, greedy: bool) -> bool:
+    """Whether a tree policy's file decodes its tree with the lookup branch, greedy or sampled
+    (its `lookup_branches`; no for a policy without)."""
+    return getattr(policy, "lookup_branches", {}).get(greedy, False)
+
+
 def decoding_rule(policy: TreePolicy, greedy: bool) -> TreeRule:
     """The rule a decode applies: greedy, the policy's tree rule; sampling, its sampling rule
     (exact by construction) where it has one, else its tree rule verifying all it drafts."""

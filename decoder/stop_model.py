@@ -14,7 +14,9 @@ The rules are those the replay tuned, with the arithmetic both share (`.policy`)
   the static shape that replayed faster than the tree greedy / sampled (or, where the two
   replayed close, decoded faster on val prompts: `settled`), which the loop then decodes
   instead (`.methods.with_static_fallback`); `lookup_model`, the lookup chain's
-  P(accepted | parent accepted) (`.lookup.LookupModel`) when a greedy round adds the chain;
+  P(accepted | parent accepted) (`.lookup.LookupModel`) when a round adds the chain, and
+  `lookup_branch` / `sampling_lookup_branch`: the tree with the chain decoded faster on val
+  prompts (`settled`), so a decode that leaves it to the file adds it (`exported_lookup_branch`);
 - threshold: continue below a node while p-hat > t;
 - cost_aware: continue below a node while P_d * p-hat_d / (c + v)_d > rho: P_d the product of
   p-hat along the node's branch within the round, level d included (reset at depth 1, carried
@@ -46,6 +48,8 @@ GATE_KEYS = ("round_gate", "fallback", "gated_speedup", "gated_share")  # `model
 SAMPLING_KEYS = ("sampling_tree_rule", "sampling_tree_speedup", "sampling_temperature")
 STATIC_KEYS = {True: "static_tree", False: "sampling_static_tree"}  # by greedy: the static
 # shape decoded instead of the tree (`models.tree_report`), or null
+LOOKUP_KEYS = {True: "lookup_branch", False: "sampling_lookup_branch"}  # by greedy: whether the
+# tree decodes with the lookup branch where the decode leaves it to the file (`models.settle`)
 
 
 def read_stop_model(path: Path) -> tuple[torch.jit.ScriptModule, dict]:
@@ -109,6 +113,8 @@ class LearnedPolicy:
                                   for greedy, key in STATIC_KEYS.items() if meta.get(key)}
             lookup = meta.get("lookup_model")
             self.lookup_model = LookupModel.from_dict(lookup) if lookup else None
+            self.lookup_branches = {greedy: bool(meta.get(key)) and lookup is not None
+                                    for greedy, key in LOOKUP_KEYS.items()}
         except (KeyError, TypeError, ValueError) as err:
             raise SpecstopError(f"{source or 'stop model'}: incomplete metadata "
                                 f"({type(err).__name__}: {err})") from err
@@ -179,9 +185,10 @@ class LearnedPolicy:
         if shape is not None and not lookup_branch:
             static = self.meta[STATIC_KEYS[greedy]]
             tree = self.meta["gated_speedup" if greedy else "sampling_tree_speedup"]
-            settled = (self.meta.get("settled") or {}).get("greedy" if greedy else "sampling")
-            why = (f"it decoded {settled['static_vs_tree']['ratio']:.3f}x the learned tree's "
-                   f"speed on {settled['prompts']} val prompts (the export's settle)" if settled
+            static_over, tree_over = (self._settled(greedy, way) for way in ("static tree", "tree"))
+            settle = f"on {self._settled(greedy)} val prompts (the export's settle)"
+            why = (f"it decoded {static_over:.3f}x the learned tree's speed {settle}" if static_over
+                   else f"the learned tree decoded {tree_over:.3f}x its speed {settle}" if tree_over
                    else f"it beat the learned tree in the replay on its cost curve "
                    f"({static['speedup']:.3f}x ar against {tree:.3f}x)")
             return (f"stop model: {family} decodes the static tree {list(shape.widths)} to depth "
@@ -194,9 +201,24 @@ class LearnedPolicy:
         gate = "" if self.round_gate is None else f", round gate: {gated} of {rounds} rounds " \
             "not drafted"
         chain = ", with the lookup branch" if lookup_branch else ""
+        measured = self._settled(greedy, "tree with the lookup branch")
+        if lookup_branch and measured:
+            chain += (f" ({measured:.3f}x the speed of the replay's choice on "
+                      f"{self._settled(greedy)} val prompts: the export's settle)")
         return (f"stop model: {family}, tree rule (expand {rule.expand:.3g}, max "
                 f"width {rule.max_width}, rho {rule.rho:.4g}){chain}; decisions "
                 f"{100 * share:.2f}% of the decode time{gate}")
+
+
+    def _settled(self, greedy: bool, way: str | None = None) -> float | int | None:
+        """What the export's settle measured in a mode: `way`'s speed over the replay's choice
+        (None where it was not measured), or without `way` the prompts it decoded."""
+        settled = (self.meta.get("settled") or {}).get("greedy" if greedy else "sampling")
+        if settled is None:
+            return None
+        if way is None:
+            return settled["prompts"]
+        return (settled["vs_replay"].get(way) or {}).get("ratio")
 
 
 def _round_gate(meta: dict) -> RoundGate | None:

@@ -83,13 +83,13 @@ def bench(runtime: Runtime, prompts: list[torch.Tensor], configs: list[DecodeCon
 
 
 def bench_methods(runtime: Runtime, prompts: list[torch.Tensor], methods: list[Method],
-                  seed: int, progress: str | None = None,
-                  divergence: bool = False) -> list[MethodResult]:
+                  seed: int, progress: str | None = None, divergence: bool = False,
+                  scored: bool = True) -> list[MethodResult]:
     """Every method on every prompt after one warm-up decode each; the order of the methods
     rotates by one per prompt, so none always runs first or last and drift hits all alike.  The
     first method (`ar`) is the reference of `identical` and, with `divergence` (greedy runs), of
-    the divergence gaps.  Then every output is scored under the target (outside the timed
-    decodes, each distinct output once).  `progress`: a tqdm label."""
+    the divergence gaps.  Then, with `scored`, every output is scored under the target (outside
+    the timed decodes, each distinct output once).  `progress`: a tqdm label."""
     results = [MethodResult(m.name, DecodeStats()) for m in methods]
     for method in methods:
         method.decode(prompts[0][:WARM_UP_TOKENS], seed)
@@ -103,6 +103,8 @@ def bench_methods(runtime: Runtime, prompts: list[torch.Tensor], methods: list[M
         for k, result in enumerate(results):
             result.add(generations[k], generations[0].tokens)
     bar.close()
+    if not scored:
+        return results
     logprob, gap = {}, {}  # by (prompt, output): methods often give the same output
     for result in results:
         for i, (prompt, reference, tokens) in enumerate(

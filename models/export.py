@@ -7,7 +7,8 @@ equal the trained model's within `tolerance`, or the stage fails.  The winner is
 whose dynamic tree (`tree_rule` in the metadata) is fastest in the val replay; ties go to the
 lower decision latency of the exported file.  Where the winner's tree and the best static
 shape replayed within `export.settle.margin` of each other, the two are decoded on val prompts
-and the faster is the one the file decodes (`models.settle`; this machine's only).  With
+beside the tree with the lookup branch, and the fastest is what the file decodes
+(`models.settle`; this machine's only).  With
 `export.costs` (another machine's costs.json) every family's tree rule is re-tuned on val for
 that cost curve before export: the same predictions, the trees that pay there, and their round
 gates (`models.round_gate`):
@@ -35,7 +36,7 @@ from specstop.collection import data
 from specstop.common import tracking
 from specstop.common.errors import DataError, SpecstopError
 from specstop.common.files import read_json, write_atomic, write_json
-from specstop.common.params import ExportConfig, TrackingStore
+from specstop.common.params import ExportConfig, SettleConfig, TrackingStore
 from specstop.decoder.costs import CostModel
 from specstop.decoder.policy import confidence_score
 from specstop.decoder.stop_model import STATIC_KEYS, LearnedPolicy, read_stop_model
@@ -49,7 +50,7 @@ WINNER_FILE = "stop_model.pt"
 
 def export(config: ExportConfig, store: TrackingStore,
            decoding: settle.DecodingSource | None = None) -> dict:
-    """Export, check and time every family; settle the winner's kind of round by decoding
+    """Export, check and time every family; settle the winner's way of decoding by decoding
     (`decoding`: what to decode with; none: the replay decides); copy and register the winner;
     write the metrics."""
     tracking.check(tracking.tracking_uri(store.uri))  # before the work, not after
@@ -68,7 +69,7 @@ def export(config: ExportConfig, store: TrackingStore,
     winner = _winner(families)
     if costs is None and decoding is not None:
         metas[winner] = _settled(config.out / f"{winner}.pt", metas[winner], summary,
-                                 config.settle.margin, decoding.load)
+                                 config.settle, decoding.load)
     path = config.out / WINNER_FILE
     write_atomic(path, lambda tmp: shutil.copyfile(config.out / f"{winner}.pt", tmp))
     registered = _register(path, metas[winner], families[winner], config, store)
@@ -131,12 +132,13 @@ def _retuned(summary: dict, dataset: data.Dataset, costs: CostModel, X: np.ndarr
     return out
 
 
-def _settled(path: Path, meta: dict, summary: dict, margin: float,
+def _settled(path: Path, meta: dict, summary: dict, config: SettleConfig,
              decoding: Callable[[], settle.Decoding]) -> dict:
     """The winner's metadata after the settle (`models.settle`), its file (`path`) re-written
     with it where the settle decoded."""
     module, _ = read_stop_model(path)
-    settled = settle.settle(module, meta, summary.get("static_shapes") or {}, margin, decoding)
+    settled = settle.settle(module, meta, summary.get("static_shapes") or {}, config.margin,
+                            config.lookup, decoding)
     if settled is not meta:
         scripted.save(module, settled, path)
     return settled

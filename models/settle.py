@@ -1,16 +1,19 @@
-"""Stage `export`'s settle: the measured choice between the winner's tree and the static shape
-where the replay cannot tell them apart.
+"""Stage `export`'s settle: what the exported file decodes in each mode, measured where the
+replay cannot tell.
 
 The replay prices a round by the cost curves and the overhead collect timed, and between a
 static round and a tree's it errs by about as much as the two kinds differ on these CPUs: on
 the AMD host it ranked the static shape 0.5% above the learned tree where the bench measured
-the confidence tree 4.7% ahead of it (README, Results).  So where the two replayed within
-`export.settle.margin` of each other (greedy, and sampled where the export has a sampling
-rule), the winner is decoded both ways on val prompts, in turn a prompt at a time
-(`evaluation.side_by_side.bench_methods`), and the kind with the higher throughput is what the
-exported file decodes (its `static_tree` / `sampling_static_tree` set or cleared); the file's
-`settled` says what was measured.  Neither way changes the output's distribution: both are
-exact decodings.
+the confidence tree 4.7% ahead of it (README, Results).  The tree with the prompt-lookup
+branch has no replay under sampling at all.  So in each mode (greedy, and sampled where the
+export has a sampling rule) the winner is decoded on val prompts, in turn a prompt at a time
+(`evaluation.side_by_side.bench_methods`), as the replay chose beside each contender: the other
+kind where its tree and the best static shape replayed within `export.settle.margin` of each
+other, and its tree with the lookup branch where the file has a lookup model.  The fastest is
+what the file decodes: its `static_tree` / `sampling_static_tree` set where the static shape
+beat the tree, and `lookup_branch` / `sampling_lookup_branch` set where the lookup branch beat
+both; `settled` says what was measured.  None of them changes the output's distribution: each
+is exact.
 """
 
 from __future__ import annotations
@@ -23,21 +26,24 @@ import torch
 from specstop.decoder.methods import DecodeConfig
 from specstop.decoder.runtime import Runtime
 from specstop.decoder.sampling import Sampling
-from specstop.decoder.stop_model import STATIC_KEYS, LearnedPolicy
+from specstop.decoder.stop_model import LOOKUP_KEYS, STATIC_KEYS, LearnedPolicy
 from specstop.evaluation.intervals import Ratio, speed_ratio
 from specstop.evaluation.side_by_side import bench_methods, decoder_method
 
 MODES = {True: "greedy", False: "sampling"}
+LOOKUP_WAY = "tree with the lookup branch"
 
 
 @dataclass(frozen=True)
 class Decoding:
-    """What the settle decodes with: the runtime, the val prompts ([L] ids) and the `tree`
-    decode config (greedy; the sampled one takes the sampling rule's temperature)."""
+    """What the settle decodes with: the runtime, the val prompts ([L] ids), the `tree` decode
+    config (greedy; the sampled one takes the sampling rule's temperature) and the longest
+    lookup chain (`collect.lookup_tokens`, what the lookup model was fitted on)."""
 
     runtime: Runtime
     prompts: list[torch.Tensor]
     config: DecodeConfig
+    lookup_tokens: int
     seed: int = 0
 
 
@@ -50,16 +56,31 @@ class DecodingSource:
     load: Callable[[], Decoding]
 
 
-def contested(meta: dict, shapes: dict[str, dict | None], margin: float) -> dict[bool, dict]:
-    """By greedy: the static shape (`shapes[mode]`: widths, depth, replayed speed) whose replay
-    is within `margin` (relative) of the stop model's tree's, in the modes where its tree
-    drafts (not behind `fallback: ar`; sampled only with a sampling rule)."""
+@dataclass(frozen=True)
+class Contest:
+    """What one mode's tree is decoded beside: the static shape (widths, depth, replayed speed)
+    whose replay is close to the tree's, and whether its tree with the lookup branch."""
+
+    static: dict | None
+    lookup: bool
+
+
+def contested(meta: dict, shapes: dict[str, dict | None], margin: float,
+              lookup: bool = False) -> dict[bool, Contest]:
+    """By greedy, in the modes the stop model's tree decodes (sampled only with a sampling
+    rule): the static shape (`shapes[mode]`) whose replay is within `margin` (relative) of the
+    tree's (none behind `fallback: ar`), and the lookup branch where `lookup` and the file has
+    a lookup model; modes with neither are left out."""
     out = {}
     for greedy, mode in MODES.items():
+        if not greedy and not meta.get("sampling_tree_rule"):
+            continue
         shape, tree = shapes.get(mode), tree_speed(meta, greedy)
-        if margin > 0 and shape is not None and tree is not None and \
-                abs(shape["speedup"] / tree - 1) <= margin:
-            out[greedy] = shape
+        close = margin > 0 and shape is not None and tree is not None and \
+            abs(shape["speedup"] / tree - 1) <= margin
+        chain = lookup and bool(meta.get("lookup_model"))
+        if close or chain:
+            out[greedy] = Contest(shape if close else None, chain)
     return out
 
 
@@ -74,38 +95,59 @@ def tree_speed(meta: dict, greedy: bool) -> float | None:
 
 
 def settle(module: torch.jit.ScriptModule, meta: dict, shapes: dict[str, dict | None],
-           margin: float, decoding: Callable[[], Decoding]) -> dict:
-    """`meta` with each contested mode's static shape set where it decoded faster than the tree
-    and cleared where it did not, and `settled` (by mode: both replays, the measured ratio);
-    `meta` itself where no mode is contested (`decoding`, which loads the models, not called)."""
-    chosen = contested(meta, shapes, margin)
-    if not chosen:
+           margin: float, lookup: bool, decoding: Callable[[], Decoding]) -> dict:
+    """`meta` with each contested mode decided by decoding: its static shape set where it
+    decoded faster than the tree (kept as the replay chose it where the two were not close),
+    its lookup branch set where that decoded fastest; and `settled` (by mode: the replays, each
+    way's measured speed over the replay's choice's).  `meta` itself where no mode is
+    contested (`decoding`, which loads the models, not called)."""
+    contests = contested(meta, shapes, margin, lookup)
+    if not contests:
         return meta
     run = decoding()
     out, settled = dict(meta), {}
-    for greedy, shape in chosen.items():
-        key = STATIC_KEYS[greedy]
-        ratio = measured(run, module, {**meta, key: None}, {**meta, key: shape}, greedy)
-        out[key] = shape if ratio.ratio > 1 else None
-        settled[MODES[greedy]] = {"static_tree": shape, "tree_speedup": tree_speed(meta, greedy),
-                                  "static_vs_tree": ratio.as_dict(), "prompts": len(run.prompts),
-                                  "decodes": "static tree" if ratio.ratio > 1 else "tree",
-                                  "replay_decodes": "static tree" if meta.get(key) else "tree"}
+    for greedy, contest in contests.items():
+        static_key, lookup_key = STATIC_KEYS[greedy], LOOKUP_KEYS[greedy]
+        static = contest.static or meta.get(static_key)
+        reference = "static tree" if meta.get(static_key) else "tree"  # the replay's choice
+        shape_of = {reference: meta.get(static_key)}
+        if contest.static is not None:  # and the other kind
+            shape_of.update({"tree": None, "static tree": static})
+        ways = {kind: ({**meta, static_key: shape, lookup_key: False}, False)
+                for kind, shape in shape_of.items()}
+        if contest.lookup:
+            ways[LOOKUP_WAY] = ({**meta, static_key: None, lookup_key: False}, True)
+        speeds = measured(run, module, ways, greedy)
+        decodes = max(speeds, key=lambda way: speeds[way].ratio)
+        if contest.static is not None:
+            static_wins = speeds["static tree"].ratio > speeds["tree"].ratio
+            out[static_key] = static if static_wins else None
+        out[lookup_key] = decodes == LOOKUP_WAY
+        settled[MODES[greedy]] = {
+            "static_tree": static, "tree_speedup": tree_speed(meta, greedy),
+            "vs_replay": {way: ratio.as_dict() for way, ratio in speeds.items()
+                          if way != reference},
+            "prompts": len(run.prompts), "decodes": decodes, "replay_decodes": reference}
     return {**out, "settled": settled}
 
 
-def measured(run: Decoding, module: torch.jit.ScriptModule, tree: dict, static: dict,
-             greedy: bool) -> Ratio:
-    """The static shape's throughput over the tree's (two stop models, `tree` and `static`
-    metadata), each prompt decoded by both in turn, with its paired 95% interval."""
+def measured(run: Decoding, module: torch.jit.ScriptModule, ways: dict[str, tuple[dict, bool]],
+             greedy: bool) -> dict[str, Ratio]:
+    """By way of decoding (stop model metadata, lookup branch): its throughput over the first
+    way's, each prompt decoded every way in turn, with its paired 95% interval."""
     config = run.config
     if not greedy:
-        config = replace(config, sampling=Sampling(tree["sampling_temperature"],
-                                                   config.sampling.top_p))
-    methods = [decoder_method(run.runtime, config, LearnedPolicy(module, m), name)
-               for name, m in (("tree", tree), ("static", static))]
+        temperature = next(iter(ways.values()))[0]["sampling_temperature"]
+        config = replace(config, sampling=Sampling(temperature, config.sampling.top_p))
+    chain = replace(config, lookup_branch=True, max_depth=max(config.max_depth, run.lookup_tokens))
+    methods = [decoder_method(run.runtime, chain if lookup else config, LearnedPolicy(module, m),
+                              name) for name, (m, lookup) in ways.items()]
     results = bench_methods(run.runtime, run.prompts, methods, run.seed,
-                            progress=f"settle {MODES[greedy]}")
-    a, b = (r.per_prompt for r in results[::-1])
-    return speed_ratio([s.new_tokens for s in a], [s.seconds for s in a],
-                       [s.new_tokens for s in b], [s.seconds for s in b])
+                            progress=f"settle {MODES[greedy]}", scored=False)
+    first = results[0].per_prompt
+
+    def over_first(a: list) -> Ratio:
+        return Ratio(1.0, None) if a is first else speed_ratio(
+            [s.new_tokens for s in a], [s.seconds for s in a],
+            [s.new_tokens for s in first], [s.seconds for s in first])
+    return {result.method: over_first(result.per_prompt) for result in results}

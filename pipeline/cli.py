@@ -121,12 +121,12 @@ def _generate(args: argparse.Namespace, params: Params) -> None:
     from specstop.decoder.runtime import decode_config
     from specstop.decoder.stop_model import LearnedPolicy
     from specstop.drafts.loading import runtime_from
-    from .decode_args import stopping_policy
+    from .decode_args import lookup_branch, stopping_policy
 
     _quiet_transformers()
     decode = params.decode
-    config = decode_config(decode, decode.method, decode.lookup_branch)
     policy = stopping_policy(decode)
+    config = decode_config(decode, decode.method, lookup_branch(decode, decode.method, policy))
     runtime = runtime_from(params.models, params.costs,
                            need_draft=round_method(decode.method).drafts)
     prompt = runtime.encode(args.prompt, chat=not args.no_chat)
@@ -176,21 +176,22 @@ def _bench_decode(args: argparse.Namespace, params: Params) -> None:
     from specstop.drafts.loading import runtime_from
     from specstop.evaluation.side_by_side import bench, humaneval_problems, score_humaneval, table
     from specstop.prompts.sources import humaneval_request
-    from .decode_args import stopping_policy
+    from .decode_args import lookup_branch, stopping_policy
 
     _quiet_transformers()
     if args.execute_code and args.prompt:
         raise SpecstopError("--execute-code needs HumanEval prompts, not --prompt")
     decode = params.decode
     methods = ["ar", *[m for m in args.methods if m != "ar"]]
+    policy = stopping_policy(decode)
     configs = [_with_lossy(decode_config(decode, m.removesuffix(LOSSY_SUFFIX),
-                                         decode.lookup_branch and m == "tree"),
+                                         m == "tree" and lookup_branch(decode, m, policy)),
                            m.endswith(LOSSY_SUFFIX)) for m in methods]
     runtime = runtime_from(params.models, params.costs, need_draft=len(methods) > 1)
     problems = [] if args.prompt else humaneval_problems(args.prompts)
     texts = args.prompt or [humaneval_request(p) for p in problems]
     prompts = [runtime.encode(t) for t in texts]
-    results = bench(runtime, prompts, configs, stopping_policy(decode), decode.seed)
+    results = bench(runtime, prompts, configs, policy, decode.seed)
     if args.execute_code:
         score_humaneval(runtime, results, problems)
     print(f"{len(prompts)} prompts, dtype {runtime.target.dtype}, device {runtime.target.device}")

@@ -7,7 +7,8 @@ import argparse
 
 from specstop.common.errors import SpecstopError
 from specstop.common.params import DecodeParams, Params, with_overrides
-from specstop.decoder.policy import ConfidenceThreshold, FixedDepth, StoppingPolicy
+from specstop.decoder.policy import (ConfidenceThreshold, FixedDepth, StoppingPolicy,
+                                     exported_lookup_branch)
 from specstop.decoder.stop_model import load_stop_model
 
 MODEL_FLAGS = ("target", "draft", "dtype", "device", "cpu_kernel", "compile")
@@ -53,9 +54,10 @@ def add_decode_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ti-width", type=int, help="ti-mcsd branches")
     parser.add_argument("--lossy", action="store_true", default=None,
                         help="ti-mcsd: the published (lossy) DynaSD selection")
-    parser.add_argument("--lookup-branch", action="store_true", default=None,
+    parser.add_argument("--lookup-branch", action=argparse.BooleanOptionalAction, default=None,
                         help="tree: add the prompt-lookup chain below the root as one more "
-                             "branch, cut by the stop model's lookup model")
+                             "branch, cut by the stop model's lookup model (default: where the "
+                             "stop model's file measured it faster)")
     parser.add_argument("--seed", type=int)
 
 
@@ -65,6 +67,14 @@ def with_flags(params: Params, args: argparse.Namespace, source: str) -> Params:
         return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
 
     return with_overrides(params, source, decode=given(DECODE_FLAGS), models=given(MODEL_FLAGS))
+
+
+def lookup_branch(decode: DecodeParams, method: str, policy: StoppingPolicy) -> bool:
+    """Whether a decode adds the lookup branch: as `decode.lookup_branch` says, or where it is
+    `auto`, in `tree` decodes whose stop model's file measured it faster in this sampling."""
+    if decode.lookup_branch != "auto":
+        return decode.lookup_branch
+    return method == "tree" and exported_lookup_branch(policy, decode.temperature == 0.0)
 
 
 def stopping_policy(decode: DecodeParams) -> StoppingPolicy:

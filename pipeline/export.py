@@ -17,14 +17,18 @@ from specstop.prompts.splits import interleave, read_split
 def run(params: Params) -> dict:
     config = params.export
     start = time.perf_counter()
-    decoding = _decoding(params) if config.costs is None and config.settle.margin > 0 else None
+    settle = config.settle
+    decoding = _decoding(params) if config.costs is None and (settle.margin > 0 or settle.lookup) \
+        else None
     metrics = export(config, params.mlflow.store("train"), decoding)
     print(table(metrics))
     for mode, settled in (metrics["settled"] or {}).items():
-        ratio = settled["static_vs_tree"]
-        print(f"export: settled {mode} on {settled['prompts']} val prompts: the static tree at "
-              f"{ratio['ratio']:.3f}x the tree's speed (95% CI {_interval(ratio['ci95'])}), so "
-              f"it decodes the {settled['decodes']} (the replay: the {settled['replay_decodes']})")
+        ratios = "; ".join(f"the {way} at {ratio['ratio']:.3f}x (95% CI "
+                           f"{_interval(ratio['ci95'])})"
+                           for way, ratio in settled["vs_replay"].items())
+        print(f"export: settled {mode} on {settled['prompts']} val prompts, against the "
+              f"replay's choice, the {settled['replay_decodes']}: {ratios}; so it decodes the "
+              f"{settled['decodes']}")
     print(f"export: {time.perf_counter() - start:.0f} s; {config.out / WINNER_FILE} "
           f"({metrics['winner']}), registered as {metrics['registered_model']} version "
           f"{metrics['model_version']}; metrics in {config.metrics}")
@@ -42,9 +46,9 @@ def table(metrics: dict) -> str:
 
 
 def _decoding(params: Params) -> DecodingSource:
-    """What the settle decodes with: `collect`'s trees at `export.settle`'s budget on the first
-    val prompts of `collect.prompts`, the sources in turn; the models load only where a mode is
-    contested."""
+    """What the settle decodes with: `collect`'s trees and lookup chains at `export.settle`'s
+    budget on the first val prompts of `collect.prompts`, the sources in turn; the models load
+    only where a mode is contested."""
     settle, collect = params.export.settle, params.collect
 
     def texts() -> list[str]:
@@ -63,7 +67,8 @@ def _decoding(params: Params) -> DecodingSource:
         tree = collect.model_copy(update={"max_new_tokens": settle.max_new_tokens,
                                           "temperature": 0.0, "lossy": False})
         return Decoding(runtime, [runtime.encode(t, chat=False, special_tokens=False)
-                                  for t in texts()], decode_config(tree, "tree"), settle.seed)
+                                  for t in texts()], decode_config(tree, "tree"),
+                        collect.lookup_tokens, settle.seed)
     return DecodingSource(check, load)
 
 

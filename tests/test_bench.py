@@ -221,6 +221,30 @@ def test_the_replay_is_compared_with_the_rounds_alone():
     assert tree["measured_over_simulated"] == pytest.approx(1.5 / 1.6)
 
 
+def test_the_summary_names_the_method_that_decodes_the_file_its_own_way():
+    """Where the exported file adds the lookup branch in a mode, the summary's winner is
+    `tree+stop_model+lookup` there and every winner ratio is that method's."""
+    def result(name: str, seconds: float) -> MethodResult:
+        stats = [DecodeStats(new_tokens=40, seconds=seconds * (1 + i / 10)) for i in range(3)]
+        return MethodResult(name, DecodeStats(), per_prompt=stats, identical=[True] * 3,
+                            logprobs=[0.0] * 3)
+
+    names = {"ar": 1.0, "static-tree": 0.8, "tree+stop_model": 0.7, "tree+stop_model+lookup": 0.6}
+    results = {mode: [result(name, seconds) for name, seconds in names.items()]
+               for mode in ("greedy", "sampling")}
+    winners = {"greedy": "tree+stop_model+lookup", "sampling": "tree+stop_model"}
+    inputs = bench_report.Inputs(results, ["a", "b", "c"], ["code"] * 3, None,
+                                 {"greedy": {}, "sampling": {}}, 100, 0, winners)
+    greedy, sampled = (bench_report._mode(inputs, mode) for mode in ("greedy", "sampling"))
+    summary = bench_report._summary(inputs, greedy)
+    assert summary["winner"] == "tree+stop_model+lookup"
+    assert summary["winner_vs_ar"]["ratio"] == pytest.approx(1 / 0.6)
+    assert summary["winner_vs_best_static"]["ratio"] == pytest.approx(0.8 / 0.6)
+    sampling = bench_report._sampling_summary(inputs, sampled)
+    assert sampling["winner"] == "tree+stop_model"
+    assert sampling["winner_vs_best_static"]["ratio"] == pytest.approx(0.8 / 0.7)
+
+
 def test_a_tuned_threshold_at_infinity_is_the_probability_it_means():
     """The replay's "never stop" / "stop after a level" (-inf / +inf) run as 0 / 1."""
     assert [bench._probability(t) for t in (-math.inf, 0.3, math.inf)] == [0.0, 0.3, 1.0]

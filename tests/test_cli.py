@@ -28,6 +28,7 @@ GENERATE = ["generate", *MODELS, "--max-new-tokens", "8"]
 HI = [*GENERATE, "--prompt", "hi"]
 PARAMS_FILES = {"bad-seed.yaml": "decode:\n  seed: abc\n"}
 STOP_MODEL = "stop_model.pt"  # written into the commands' folder (`stop_models.py`)
+CHAIN_MODEL = "chain_model.pt"  # the same, its file measured faster with the lookup branch
 
 # case -> (argv, what the error line must say)
 ERRORS: dict[str, tuple[list[str], str]] = {
@@ -80,6 +81,10 @@ OTHERS: dict[str, list[str]] = {
                      "--max-new-tokens", "8"],
     "tree-lookup-branch": [*GENERATE, "--method", "tree", "--stop-model", STOP_MODEL,
                            "--lookup-branch", "--prompt", "hi hi hi hi hi hi hi hi"],
+    "tree-file-lookup-branch": [*GENERATE, "--method", "tree", "--stop-model", CHAIN_MODEL,
+                                "--prompt", "hi hi hi hi hi hi hi hi"],
+    "tree-no-lookup-branch": [*GENERATE, "--method", "tree", "--stop-model", CHAIN_MODEL,
+                              "--no-lookup-branch", "--prompt", "hi hi hi hi hi hi hi hi"],
 }
 CASES = {**{name: argv for name, (argv, _) in ERRORS.items()}, **METHODS, **OTHERS}
 FLOAT = r"\d+\.\d+"
@@ -108,6 +113,9 @@ def cli(request: pytest.FixtureRequest, tiny_model_dir: Path, other_tokenizer_mo
     for name, text in PARAMS_FILES.items():
         (workdir / name).write_text(text)
     write_stop_model(workdir / STOP_MODEL)
+    write_stop_model(workdir / CHAIN_MODEL, lookup_branch=True, lookup_model={
+        "features": ["position", "ngram", "log_gap", "recent"],
+        "weights": [0.0, 1.0, 0.0, 1.0], "bias": 0.0})
     folders = {TINY: str(tiny_model_dir), OTHER: str(other_tokenizer_model_dir),
                LONG: str(tiny_target)}
     with ThreadPoolExecutor(max_workers=(os.cpu_count() or 2) + 1) as pool:
@@ -159,16 +167,18 @@ def test_lookup_decodes_without_a_draft(cli: Run, case: str):
     assert SUMMARY.fullmatch(result.stdout.splitlines()[-1]), result.stdout
 
 
-@pytest.mark.parametrize("case", ["tree-lookup-branch"])
+@pytest.mark.parametrize("case", ["tree-lookup-branch", "tree-file-lookup-branch",
+                                  "tree-no-lookup-branch"])
 def test_a_tree_decodes_with_its_lookup_branch(cli: Run, case: str):
     """`--lookup-branch` adds the chain to the exported policy's tree (the prompt repeats, so
-    the chain is found) and the decode ends with the policy's line and the summary."""
+    the chain is found), as does a file that measured it faster unless `--no-lookup-branch`;
+    the decode ends with the policy's line and the summary."""
     result = cli(case)
     assert result.returncode == 0, result.stderr
     *_, policy_line, summary = result.stdout.splitlines()
     assert SUMMARY.fullmatch(summary), result.stdout
-    assert policy_line.startswith("stop model: logistic, tree rule") \
-        and "with the lookup branch" in policy_line, result.stdout
+    assert policy_line.startswith("stop model: logistic, tree rule"), result.stdout
+    assert ("with the lookup branch" in policy_line) == (case != "tree-no-lookup-branch")
 
 
 @pytest.mark.parametrize("case", ["bench-decode"])

@@ -18,7 +18,8 @@ from specstop.common.params import ExportConfig, SettleConfig
 from specstop.decoder.costs import CostCurve, CostModel
 from specstop.decoder.loop import DecodeConfig
 from specstop.decoder.policy import ConfidenceThreshold, FixedDepth, decoding_rule
-from specstop.decoder.stop_model import LearnedPolicy, load_stop_model, read_stop_model
+from specstop.decoder.stop_model import (LOOKUP_KEYS, STATIC_KEYS, LearnedPolicy, load_stop_model,
+                                        read_stop_model)
 from specstop.decoder.tree_rule import TreeRule
 from specstop.features import FEATURES, SCHEMA_VERSION, feature_index
 from specstop.drafts.loading import load_runtime
@@ -407,7 +408,7 @@ def test_a_close_replay_is_settled_in_the_exported_file(exported, tmp_path, tiny
     prompts = [runtime.encode(t, chat=False, special_tokens=False) for t in ("a b c", "1 2 3")]
     rule = TreeRule.from_dict(summary["families"][summary["winner"]]["tree_rule"])
     decoding = settle.Decoding(runtime, prompts, DecodeConfig(
-        method="tree", max_new_tokens=6, max_depth=4, mcsd_branching=rule.branching))
+        method="tree", max_new_tokens=6, max_depth=4, mcsd_branching=rule.branching), 5)
     other = config.model_copy(update={"out": tmp_path / "export", "metrics": tmp_path / "e.json",
                                       "settle": SettleConfig(margin=1.0)})
     metrics = export(other, store, settle.DecodingSource(lambda: None, lambda: decoding))
@@ -415,18 +416,24 @@ def test_a_close_replay_is_settled_in_the_exported_file(exported, tmp_path, tiny
     _, own = read_stop_model(other.out / f"{metrics['winner']}.pt")
     assert meta == own and metrics["settled"] == meta["settled"]
     assert set(meta["settled"]) == {"greedy", "sampling"}
-    for mode, key in (("greedy", "static_tree"), ("sampling", "sampling_static_tree")):
+    for greedy, mode in settle.MODES.items():
         settled = meta["settled"][mode]
         assert settled["static_tree"] == summary["static_shapes"][mode]
-        assert settled["prompts"] == 2 and settled["static_vs_tree"]["ratio"] > 0
-        faster = settled["static_vs_tree"]["ratio"] > 1
-        assert meta[key] == (settled["static_tree"] if faster else None)
-        assert settled["decodes"] == ("static tree" if faster else "tree")
+        assert settled["prompts"] == 2
+        speeds = {settled["replay_decodes"]: 1.0,
+                  **{way: r["ratio"] for way, r in settled["vs_replay"].items()}}
+        assert {"tree", "static tree"} <= set(speeds) and min(speeds.values()) > 0
+        assert (settle.LOOKUP_WAY in speeds) == bool(meta.get("lookup_model"))
+        assert settled["decodes"] == max(speeds, key=speeds.get)
+        faster = speeds["static tree"] > speeds["tree"]
+        assert meta[STATIC_KEYS[greedy]] == (settled["static_tree"] if faster else None)
+        assert meta[LOOKUP_KEYS[greedy]] == (settled["decodes"] == settle.LOOKUP_WAY)
     for family in set(summary["families"]) - {metrics["winner"]}:
         assert "settled" not in read_stop_model(other.out / f"{family}.pt")[1]
     assert export(config.model_copy(update={"out": tmp_path / "far", "metrics": tmp_path / "f.json",
-                                            "settle": SettleConfig(margin=0.0)}), store,
-                  settle.DecodingSource(lambda: None, lambda: pytest.fail("decoded with margin 0"))
+                                            "settle": SettleConfig(margin=0.0, lookup=False)}),
+                         store, settle.DecodingSource(lambda: None,
+                                                      lambda: pytest.fail("decoded with margin 0"))
                   )["settled"] is None
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 
+from specstop.decoder.policy import exported_lookup_branch
 from specstop.decoder.stop_model import load_stop_model
 from specstop.models import settle
 from specstop.pipeline.params import read_params_file
@@ -86,16 +87,26 @@ def test_repro_ends_with_stop_model_metrics_plots_and_runs(smoke: Path):
     assert bench["summary"]["sampling"]["winner_vs_best_static"]["ratio"] > 0
     settled = json.loads((smoke / "metrics/export.json").read_text())["settled"] or {}
     shapes = json.loads((smoke / "data/train/summary.json").read_text())["static_shapes"]
-    margin = read_params_file(smoke / "params.yaml")["export"]["settle"]["margin"]
-    contested = {settle.MODES[greedy] for greedy in settle.contested(policy.meta, shapes, margin)}
+    config = read_params_file(smoke / "params.yaml")["export"]["settle"]
+    contested = {settle.MODES[greedy] for greedy in settle.contested(
+        policy.meta, shapes, config["margin"], config.get("lookup", True))}
     assert set(settled) == contested and settled == policy.meta.get("settled", {})
-    for greedy, mode in settle.MODES.items():  # the measured faster kind
+    for greedy, mode in settle.MODES.items():  # the measured fastest way
         if mode not in settled:
             continue
-        faster = settled[mode]["static_vs_tree"]["ratio"] > 1
-        assert (greedy in policy.static_shapes) == faster
-        assert bench["setup"]["winner_static_tree"][mode] == (
-            settled[mode]["static_tree"] if faster else None)
+        speeds = {settled[mode]["replay_decodes"]: 1.0,
+                  **{way: r["ratio"] for way, r in settled[mode]["vs_replay"].items()}}
+        assert settled[mode]["decodes"] == max(speeds, key=speeds.get)
+        if "static tree" in speeds and "tree" in speeds:
+            faster = speeds["static tree"] > speeds["tree"]
+            assert (greedy in policy.static_shapes) == faster
+            assert bench["setup"]["winner_static_tree"][mode] == (
+                settled[mode]["static_tree"] if faster else None)
+        chain = settled[mode]["decodes"] == settle.LOOKUP_WAY
+        assert exported_lookup_branch(policy, greedy) == chain
+        assert bench["setup"]["winner_method"][mode] == (
+            "tree+stop_model+lookup" if chain else "tree+stop_model")
+    assert bench["summary"]["winner"] == bench["setup"]["winner_method"]["greedy"]
     assert (smoke / "metrics/bench_plots/speedup.png").stat().st_size > 0
     assert len(list((smoke / "metrics/train_plots/speedup").glob("*.csv"))) >= 4
     assert (smoke / "metrics/draft_plots/learning_curve.csv").is_file()

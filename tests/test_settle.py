@@ -1,6 +1,6 @@
-"""Stage export's settle (`models.settle`): which replays are close enough to decode, the
-measured faster kind written into the winner's file, and nothing loaded where no replay is
-close; the decodes themselves on a tiny model."""
+"""Stage export's settle (`models.settle`): which modes are decoded and beside what (the close
+static shape, the lookup branch), the measured fastest way written into the winner's file, and
+nothing loaded where nothing is contested; the decodes themselves on a tiny model."""
 
 from __future__ import annotations
 
@@ -8,14 +8,18 @@ import pytest
 import torch
 
 from specstop.decoder.loop import DecodeConfig
+from specstop.decoder.policy import exported_lookup_branch
 from specstop.drafts.loading import load_runtime
 from specstop.decoder.stop_model import LearnedPolicy
 from specstop.evaluation.intervals import Ratio
 from specstop.models import settle
+from specstop.models.settle import LOOKUP_WAY, Contest
 
 from stop_models import TREE_RULE, linear_module, metadata
 
 STATIC = {"widths": [2, 1, 1], "depth": 1, "speedup": 1.52}
+LOOKUP_MODEL = {"features": ["position", "ngram", "log_gap", "recent"],
+                "weights": [0.1, 1.0, 0.7, 0.9], "bias": -1.0}
 
 
 def stop_meta(**changes) -> dict:
@@ -28,86 +32,142 @@ def stop_meta(**changes) -> dict:
 
 def test_only_replays_within_the_margin_are_contested():
     shapes = {"greedy": STATIC, "sampling": {**STATIC, "speedup": 1.6}}
-    assert settle.contested(stop_meta(), shapes, 0.05) == {True: STATIC}
+    assert settle.contested(stop_meta(), shapes, 0.05) == {True: Contest(STATIC, False)}
     assert set(settle.contested(stop_meta(), shapes, 0.07)) == {True, False}
     assert settle.contested(stop_meta(), shapes, 0.0) == {}  # the replay decides alone
     assert settle.contested(stop_meta(fallback="ar"), shapes, 0.05) == {}  # no tree drafts
     no_rule = stop_meta(sampling_tree_rule=None)
     assert set(settle.contested(no_rule, {**shapes, "greedy": None}, 1.0)) == set()
     behind = stop_meta(gated_speedup=None, tree_speedup=1.45)  # no gate: the tree's own speed
-    assert settle.contested(behind, shapes, 0.05) == {True: STATIC}
+    assert settle.contested(behind, shapes, 0.05) == {True: Contest(STATIC, False)}
     assert settle.contested(behind, shapes, 0.04) == {}
 
 
-def test_the_measured_faster_kind_is_what_the_file_decodes(monkeypatch):
-    """Greedy the replay chose the tree and the static shape decodes faster; sampled the replay
-    chose the static shape and the tree decodes faster: each is turned to the measured one."""
-    meta = stop_meta(sampling_static_tree={**STATIC, "speedup": 1.51})
-    shapes = {"greedy": STATIC, "sampling": {**STATIC, "speedup": 1.51}}
-    measured = {True: Ratio(1.04, (1.01, 1.07)), False: Ratio(0.97, (0.94, 1.0))}
-    calls = []
-    monkeypatch.setattr(settle, "measured",
-                        lambda run, module, tree, static, greedy: measured[greedy])
+def test_the_lookup_branch_is_contested_where_the_file_has_a_lookup_model():
+    shapes = {"greedy": STATIC, "sampling": {**STATIC, "speedup": 1.6}}
+    chain = stop_meta(lookup_model=LOOKUP_MODEL)
+    assert settle.contested(chain, shapes, 0.05, lookup=True) == {
+        True: Contest(STATIC, True), False: Contest(None, True)}
+    assert settle.contested(chain, shapes, 0.05, lookup=False) == {True: Contest(STATIC, False)}
+    assert settle.contested(stop_meta(), shapes, 0.0, lookup=True) == {}  # no lookup model
+    # behind `fallback: ar` the chain is `lookup` with a learned cut, against `ar`
+    assert settle.contested(stop_meta(lookup_model=LOOKUP_MODEL, fallback="ar",
+                                      sampling_tree_rule=None), shapes, 0.05, lookup=True) \
+        == {True: Contest(None, True)}
 
-    def decoding():
+
+def fake_measured(speeds: dict[bool, dict[str, float]], seen: list):
+    """`settle.measured` returning each way's given speed over the first way's."""
+    def measured(run, module, ways, greedy):
+        seen.append((greedy, list(ways), {way: lookup for way, (_, lookup) in ways.items()}))
+        first = speeds[greedy][next(iter(ways))]
+        return {way: Ratio(speeds[greedy][way] / first, (0.9, 1.1)) for way in ways}
+    return measured
+
+
+def decoding(calls: list):
+    def load():
         calls.append(1)
-        return settle.Decoding(None, [torch.tensor([1, 2])] * 3, DecodeConfig(method="tree"))
+        return settle.Decoding(None, [torch.tensor([1, 2])] * 3, DecodeConfig(method="tree"), 10)
+    return load
 
-    out = settle.settle(None, meta, shapes, 0.05, decoding)
+
+def test_the_measured_fastest_way_is_what_the_file_decodes(monkeypatch):
+    """Greedy the replay chose the tree, the static shape decodes faster and the tree with the
+    lookup branch fastest; sampled the replay chose the static shape and the tree decodes
+    fastest: the file says so, each mode measured against the replay's choice."""
+    meta = stop_meta(sampling_static_tree={**STATIC, "speedup": 1.51}, lookup_model=LOOKUP_MODEL)
+    shapes = {"greedy": STATIC, "sampling": {**STATIC, "speedup": 1.51}}
+    speeds = {True: {"tree": 1.0, "static tree": 1.04, LOOKUP_WAY: 1.08},
+              False: {"tree": 1.03, "static tree": 1.0, LOOKUP_WAY: 1.01}}
+    calls, seen = [], []
+    monkeypatch.setattr(settle, "measured", fake_measured(speeds, seen))
+    out = settle.settle(None, meta, shapes, 0.05, True, decoding(calls))
     assert calls == [1]  # the models load once, for both modes
+    assert seen == [(True, ["tree", "static tree", LOOKUP_WAY],
+                     {"tree": False, "static tree": False, LOOKUP_WAY: True}),
+                    (False, ["static tree", "tree", LOOKUP_WAY],
+                     {"static tree": False, "tree": False, LOOKUP_WAY: True})]
     assert out["static_tree"] == STATIC and out["sampling_static_tree"] is None
-    assert out["settled"]["greedy"] == {
-        "static_tree": STATIC, "tree_speedup": 1.5,
-        "static_vs_tree": {"ratio": 1.04, "ci95": [1.01, 1.07]}, "prompts": 3,
-        "decodes": "static tree", "replay_decodes": "tree"}
+    assert out["lookup_branch"] is True and out["sampling_lookup_branch"] is False
+    greedy = out["settled"]["greedy"]
+    assert greedy["decodes"] == LOOKUP_WAY and greedy["replay_decodes"] == "tree"
+    assert greedy["vs_replay"]["static tree"]["ratio"] == pytest.approx(1.04)
+    assert greedy["vs_replay"][LOOKUP_WAY]["ratio"] == pytest.approx(1.08)
     assert (out["settled"]["sampling"]["decodes"], out["settled"]["sampling"]["replay_decodes"]) \
         == ("tree", "static tree")
     policy = LearnedPolicy(linear_module({"q_token": 8.0}, -2.0), out)
-    assert set(policy.static_shapes) == {True}  # greedy decodes the shape, sampled the tree
+    assert set(policy.static_shapes) == {True}  # greedy without the chain: the shape
+    assert exported_lookup_branch(policy, True) and not exported_lookup_branch(policy, False)
+    assert "1.080x the speed of the replay's choice on 3 val prompts" in policy.tree_summary(
+        0.0, 1.0, lookup_branch=True)
     assert "decoded 1.040x the learned tree's speed on 3 val prompts" in policy.tree_summary(
         0.0, 1.0)
 
 
-def test_where_no_replay_is_close_nothing_is_loaded():
-    def decoding():
+def test_a_static_shape_the_replay_chose_by_far_stays_beside_the_lookup_branch(monkeypatch):
+    """Not close to the tree, the replay's static shape is only measured against the lookup
+    branch: it stays where the branch is slower, and the tree is never decoded."""
+    far = {**STATIC, "speedup": 1.7}
+    meta = stop_meta(static_tree=far, sampling_tree_rule=None, lookup_model=LOOKUP_MODEL)
+    seen = []
+    monkeypatch.setattr(settle, "measured", fake_measured(
+        {True: {"static tree": 1.0, LOOKUP_WAY: 0.98}}, seen))
+    out = settle.settle(None, meta, {"greedy": far}, 0.05, True, decoding([]))
+    assert [ways for _, ways, _ in seen] == [["static tree", LOOKUP_WAY]]
+    assert out["static_tree"] == far and out["lookup_branch"] is False
+    assert out["settled"]["greedy"]["decodes"] == "static tree"
+    summary = LearnedPolicy(linear_module({"q_token": 8.0}, -2.0), out).tree_summary(0.0, 1.0)
+    assert "it beat the learned tree in the replay" in summary
+
+
+def test_where_nothing_is_contested_nothing_is_loaded():
+    def load():
         raise AssertionError("the settle loaded the models with nothing to settle")
 
-    meta = stop_meta()
+    meta = stop_meta(lookup_model=LOOKUP_MODEL)
     far = {"greedy": {**STATIC, "speedup": 2.0}, "sampling": None}
-    assert settle.settle(None, meta, far, 0.05, decoding) is meta
+    assert settle.settle(None, meta, far, 0.05, False, load) is meta
+    assert settle.settle(None, stop_meta(), far, 0.05, True, load) is not None  # no lookup model
 
 
 @pytest.mark.parametrize("greedy", [True, False])
-def test_the_settle_times_both_exact_decodings(tiny_model_dir, greedy):
-    """On a tiny model: both kinds decode every prompt (greedy to the same text), and the ratio
-    is the two throughputs' over the prompts."""
+def test_the_settle_times_every_exact_decoding(tiny_model_dir, greedy):
+    """On a tiny model: every way decodes every prompt (greedy to the same text), and each
+    ratio is its throughput over the first way's over the prompts."""
     runtime = load_runtime(str(tiny_model_dir), str(tiny_model_dir), "float32", "cpu")
     prompts = [runtime.encode(t, chat=False, special_tokens=False)
-               for t in ("def add(a, b):", "The capital of France is", "1, 2, 3,")]
+               for t in ("def add(a, b): return a + b\ndef add(a, b):",
+                         "The capital of France is", "1, 2, 3, 1, 2, 3, 1, 2,")]
     config = DecodeConfig(method="tree", max_new_tokens=8, max_depth=3,
                           mcsd_branching=(2, 1, 1))
-    run = settle.Decoding(runtime, prompts, config)
+    run = settle.Decoding(runtime, prompts, config, 5)
     module = linear_module({"q_token": 8.0}, -2.0)
-    meta = stop_meta()
+    meta = stop_meta(lookup_model=LOOKUP_MODEL)
     static = {**STATIC, "depth": 2}
     key = "static_tree" if greedy else "sampling_static_tree"
     seen = []
     original = settle.bench_methods
 
-    def spy(runtime, prompts, methods, seed, progress=None):
-        results = original(runtime, prompts, methods, seed, progress)
+    def spy(runtime, prompts, methods, seed, progress=None, scored=True):
+        assert not scored  # the settle times, it does not score
+        results = original(runtime, prompts, methods, seed, progress, scored=scored)
         seen.append(results)
         return results
 
+    ways = {"tree": ({**meta, key: None}, False), "static tree": ({**meta, key: static}, False),
+            LOOKUP_WAY: ({**meta, key: None}, True)}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(settle, "bench_methods", spy)
-        ratio = settle.measured(run, module, {**meta, key: None}, {**meta, key: static}, greedy)
-    tree, shape = seen[0]
-    assert (tree.method, shape.method) == ("tree", "static")
-    assert len(tree.per_prompt) == len(shape.per_prompt) == 3
+        ratios = settle.measured(run, module, ways, greedy)
+    tree, shape, chain = seen[0]
+    assert [r.method for r in seen[0]] == list(ways) == list(ratios)
+    assert all(len(r.per_prompt) == 3 for r in seen[0])
     assert all(s.drafted_levels > 0 for s in tree.per_prompt + shape.per_prompt)
     if greedy:
-        assert shape.outputs == tree.outputs
+        assert shape.outputs == tree.outputs == chain.outputs
     speed = [sum(s.new_tokens for s in r.per_prompt) / sum(s.seconds for s in r.per_prompt)
-             for r in (shape, tree)]
-    assert ratio.ratio == pytest.approx(speed[0] / speed[1])
+             for r in seen[0]]
+    assert ratios["tree"].ratio == 1.0
+    assert ratios["static tree"].ratio == pytest.approx(speed[1] / speed[0])
+    assert ratios[LOOKUP_WAY].ratio == pytest.approx(speed[2] / speed[0])
