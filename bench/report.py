@@ -7,11 +7,11 @@ where stage train replayed the method, `simulated_speedup`, `round_speedup_vs_ar
 seconds alone, as the replay prices them) and `measured_over_simulated`, their ratio), the
 sampled ones under `sampling`; `summary` (the exported policy against the best static
 method, `ar`, `sd` and transformers, `sd` against transformers on the same draft, the A/A noise
-floor, `lookup`: the learned tree with the prompt-lookup branch against without it, `lookup`
-alone and transformers' prompt lookup against `ar`, overall and per domain; `sampling`: the
-exported policy against the best static method and `ar`, its tree with the lookup chain against
-it and that static method: each a ratio with its paired 95% bootstrap interval over prompts);
-`setup`, `latency` and `targets`.
+floor, `lookup`: the learned tree with the prompt-lookup branch against without it and against
+the confidence tree with the same branch, `lookup` alone and transformers' prompt lookup against
+`ar`, overall and per domain; `sampling`: the exported policy against the best static method
+and `ar`, its tree with the lookup chain against it and that static method: each a ratio with
+its paired 95% bootstrap interval over prompts); `setup`, `latency` and `targets`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from specstop.evaluation.plots import plt, write_csv
 
 AR, AA, SD, EXPORTED = "ar", "ar-aa", "sd", "tree+stop_model"
 LOOKUP, EXPORTED_LOOKUP, HF_LOOKUP = "lookup", "tree+stop_model+lookup", "hf-prompt-lookup"
-CONFIDENCE_TREE = "tree+confidence"
+CONFIDENCE_TREE, CONFIDENCE_LOOKUP = "tree+confidence", "tree+confidence+lookup"
 STATIC = ("sd", "sd-compact", "mcsd", "ti-mcsd", "static-tree")  # fixed shapes, lossless
 HF_ASSISTED = ("hf-assisted", "hf-assisted-static")  # transformers, the same draft as sd's row
 SIMULATION_TOLERANCE = 0.10  # measured vs replayed speed of the exported policy
@@ -195,9 +195,11 @@ def _summary(inputs: Inputs, greedy: dict) -> dict:
 
 def _lookup_summary(inputs: Inputs, greedy: dict) -> dict:
     """Prompt lookup, overall and per domain: the learned tree with its lookup branch against
-    without, `lookup` alone and transformers' prompt lookup against `ar` and each other (None
-    where a method did not run)."""
-    pairs = {"tree_with_vs_without": (EXPORTED_LOOKUP, EXPORTED), "alone_vs_ar": (LOOKUP, AR),
+    without it and against the confidence tree with the same branch, `lookup` alone and
+    transformers' prompt lookup against `ar` and each other (None where a method did not run)."""
+    pairs = {"tree_with_vs_without": (EXPORTED_LOOKUP, EXPORTED),
+             "tree_with_vs_confidence_tree_with": (EXPORTED_LOOKUP, CONFIDENCE_LOOKUP),
+             "alone_vs_ar": (LOOKUP, AR),
              "hf_prompt_lookup_vs_ar": (HF_LOOKUP, AR),
              "alone_vs_hf_prompt_lookup": (LOOKUP, HF_LOOKUP),
              "tree_with_vs_alone": (EXPORTED_LOOKUP, LOOKUP)}
@@ -346,6 +348,7 @@ def claims(metrics: dict) -> list[str]:
         lines.append("prompt lookup: " + "; ".join(
             f"{label} {_by_domain(lookup[key])}" for key, label in (
                 ("tree_with_vs_without", f"`{EXPORTED_LOOKUP}` vs `{EXPORTED}`"),
+                ("tree_with_vs_confidence_tree_with", f"vs `{CONFIDENCE_LOOKUP}`"),
                 ("alone_vs_ar", f"`{LOOKUP}` vs `ar`"),
                 ("hf_prompt_lookup_vs_ar", f"`{HF_LOOKUP}` vs `ar`")) if lookup.get(key)))
     sampled = s.get("sampling") or {}

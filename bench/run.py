@@ -6,7 +6,8 @@ greedy replay's, the sampled replay's); the dynamic trees (method `tree`): `tree
 policy the pipeline ships), each with the rule the replay tuned, and `tree+stop_model+lookup`,
 the winner's tree with the prompt-lookup chain as one more source (`decoder.dynamic`): the
 exported policy in a mode where its file adds the chain (`export.settle`), which the summary's
-`winner` then names; the level-wise stop on `ti-mcsd` (the confidence threshold and each
+`winner` then names, beside `tree+confidence+lookup`, the confidence tree with the same chain
+cut by the same lookup model; the level-wise stop on `ti-mcsd` (the confidence threshold and each
 exported model); the published lossy `ti-mcsd --lossy`, static (the models never saw lossy
 rounds); and the peers on equal terms: a plain draft (`bench.assistant_draft`, else the default
 draft where it is one) run by specstop's `sd` (`sd-compact`) and by transformers' assisted
@@ -222,10 +223,13 @@ def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
 
 def _lookup_speedups(lookup: dict, family: str) -> dict[str, float]:
     """The replayed speeds of `tree+stop_model+lookup` (the winner's tree with the lookup
-    chain) and `lookup` alone, where train replayed the logged chains."""
-    out = {}
-    if family in lookup.get("policies", {}):
-        out["tree+stop_model+lookup"] = lookup["policies"][family]["simulated_speedup"]
+    chain), `tree+confidence+lookup` and `lookup` alone, where train replayed the logged
+    chains."""
+    out, policies = {}, lookup.get("policies", {})
+    for method, name in (("tree+stop_model+lookup", family),
+                         ("tree+confidence+lookup", "confidence_tree")):
+        if name in policies:
+            out[method] = policies[name]["simulated_speedup"]
     if lookup.get("alone"):
         out["lookup"] = lookup["alone"]["simulated_speedup"]
     return out
@@ -307,6 +311,9 @@ def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan, peers: Peers | No
                        "tree+confidence"),
         *[decoder_method(runtime, cfg("tree"), p, f"tree+{f}") for f, p in plan.families.items()],
         decoder_method(runtime, cfg("tree"), plan.winner, "tree+stop_model"),
+        decoder_method(runtime, cfg("tree", lookup_branch=True, **lookup_options),
+                       ConfidenceTree(plan.confidence_tree, lookup_model=plan.winner.lookup_model),
+                       "tree+confidence+lookup"),
         decoder_method(runtime, cfg("tree", lookup_branch=True, **lookup_options), plan.winner,
                        "tree+stop_model+lookup"),
         decoder_method(runtime, cfg("ti-mcsd", lossy=True), FixedDepth(plan.static_gamma),

@@ -29,8 +29,8 @@ BENCH_METHODS = (  # the bench's method names; <base>+<family> needs that family
     "ar", "ar-aa", "sd", "sd-compact", "mcsd", "ti-mcsd", "ti-mcsd+confidence",
     *[f"ti-mcsd+{family}" for family in STOP_FAMILIES], "ti-mcsd+stop_model", "static-tree",
     "tree+confidence", *[f"tree+{family}" for family in STOP_FAMILIES], "tree+stop_model",
-    "tree+stop_model+lookup", "ti-mcsd-lossy", "hf-assisted", "hf-assisted-static", "lookup",
-    "hf-prompt-lookup")
+    "tree+confidence+lookup", "tree+stop_model+lookup", "ti-mcsd-lossy", "hf-assisted",
+    "hf-assisted-static", "lookup", "hf-prompt-lookup")
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 PROFILES = "profiles"
 MIN_TEMPERATURE = 1e-3  # below it logits / T overflow float32

@@ -29,7 +29,8 @@ CONTRACT = {"tokens_per_s", "speedup_vs_ar", "mean_accepted", "acceptance_rate",
             "draft_steps"}
 METHODS = ["ar", "ar-aa", "sd", "mcsd", "ti-mcsd", "ti-mcsd+confidence", "ti-mcsd+mlp",
            "ti-mcsd+stop_model", "static-tree", "tree+confidence", "tree+mlp", "tree+stop_model",
-           "tree+stop_model+lookup", "ti-mcsd-lossy", "sd-compact", "hf-assisted",
+           "tree+confidence+lookup", "tree+stop_model+lookup", "ti-mcsd-lossy", "sd-compact",
+           "hf-assisted",
            "hf-assisted-static", "lookup", "hf-prompt-lookup"]
 SAMPLED = ["ar", "sd", "tree+stop_model", "hf-assisted-static"]
 
@@ -229,7 +230,8 @@ def test_the_summary_names_the_method_that_decodes_the_file_its_own_way():
         return MethodResult(name, DecodeStats(), per_prompt=stats, identical=[True] * 3,
                             logprobs=[0.0] * 3)
 
-    names = {"ar": 1.0, "static-tree": 0.8, "tree+stop_model": 0.7, "tree+stop_model+lookup": 0.6}
+    names = {"ar": 1.0, "static-tree": 0.8, "tree+stop_model": 0.7, "tree+confidence+lookup": 0.65,
+             "tree+stop_model+lookup": 0.6}
     results = {mode: [result(name, seconds) for name, seconds in names.items()]
                for mode in ("greedy", "sampling")}
     winners = {"greedy": "tree+stop_model+lookup", "sampling": "tree+stop_model"}
@@ -240,6 +242,8 @@ def test_the_summary_names_the_method_that_decodes_the_file_its_own_way():
     assert summary["winner"] == "tree+stop_model+lookup"
     assert summary["winner_vs_ar"]["ratio"] == pytest.approx(1 / 0.6)
     assert summary["winner_vs_best_static"]["ratio"] == pytest.approx(0.8 / 0.6)
+    assert summary["lookup"]["tree_with_vs_confidence_tree_with"]["all"]["ratio"] == \
+        pytest.approx(0.65 / 0.6)
     sampling = bench_report._sampling_summary(inputs, sampled)
     assert sampling["winner"] == "tree+stop_model"
     assert sampling["winner_vs_best_static"]["ratio"] == pytest.approx(0.8 / 0.7)
