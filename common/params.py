@@ -351,6 +351,11 @@ class SettleConfig(Section):
     max_new_tokens: PosInt = 64
     seed: Seed = 0
 
+    @property
+    def decodes(self) -> bool:
+        """Whether the settle may decode at all (else the replay decides alone)."""
+        return self.margin > 0 or self.lookup
+
 
 class ExportConfig(Section):
     train: Path = paths.TRAIN

@@ -50,6 +50,8 @@ STATIC_KEYS = {True: "static_tree", False: "sampling_static_tree"}  # by greedy:
 # shape decoded instead of the tree (`models.tree_report`), or null
 LOOKUP_KEYS = {True: "lookup_branch", False: "sampling_lookup_branch"}  # by greedy: whether the
 # tree decodes with the lookup branch where the decode leaves it to the file (`models.settle`)
+TREE_WAY, STATIC_WAY, LOOKUP_WAY = "tree", "static tree", "tree with the lookup branch"  # the
+# ways the settle decodes (`settled[mode].vs_replay`'s keys)
 
 
 def read_stop_model(path: Path) -> tuple[torch.jit.ScriptModule, dict]:
@@ -174,7 +176,6 @@ class LearnedPolicy:
         return (f"stop model: {self.meta['family']}, {self.rule} rule ({parameter}); "
                 f"{per_call:.3f} ms per decision over {self.calls} decisions")
 
-
     def tree_summary(self, decision_seconds: float, seconds: float, gated: int = 0,
                      rounds: int = 0, greedy: bool = True, lookup_branch: bool = False) -> str:
         """One line on the `tree` method's use of the model (its decisions' share of a run, the
@@ -185,8 +186,9 @@ class LearnedPolicy:
         if shape is not None and not lookup_branch:
             static = self.meta[STATIC_KEYS[greedy]]
             tree = self.meta["gated_speedup" if greedy else "sampling_tree_speedup"]
-            static_over, tree_over = (self._settled(greedy, way) for way in ("static tree", "tree"))
-            settle = f"on {self._settled(greedy)} val prompts (the export's settle)"
+            static_over, tree_over = (self._settled_ratio(greedy, way)
+                                      for way in (STATIC_WAY, TREE_WAY))
+            settle = f"on {self._settled(greedy).get('prompts')} val prompts (the export's settle)"
             why = (f"it decoded {static_over:.3f}x the learned tree's speed {settle}" if static_over
                    else f"the learned tree decoded {tree_over:.3f}x its speed {settle}" if tree_over
                    else f"it beat the learned tree in the replay on its cost curve "
@@ -201,24 +203,21 @@ class LearnedPolicy:
         gate = "" if self.round_gate is None else f", round gate: {gated} of {rounds} rounds " \
             "not drafted"
         chain = ", with the lookup branch" if lookup_branch else ""
-        measured = self._settled(greedy, "tree with the lookup branch")
+        measured = self._settled_ratio(greedy, LOOKUP_WAY)
         if lookup_branch and measured:
             chain += (f" ({measured:.3f}x the speed of the replay's choice on "
-                      f"{self._settled(greedy)} val prompts: the export's settle)")
+                      f"{self._settled(greedy)['prompts']} val prompts: the export's settle)")
         return (f"stop model: {family}, tree rule (expand {rule.expand:.3g}, max "
                 f"width {rule.max_width}, rho {rule.rho:.4g}){chain}; decisions "
                 f"{100 * share:.2f}% of the decode time{gate}")
 
+    def _settled(self, greedy: bool) -> dict:
+        """What the export's settle measured in a mode (`models.settle`), {} where it did not."""
+        return (self.meta.get("settled") or {}).get("greedy" if greedy else "sampling") or {}
 
-    def _settled(self, greedy: bool, way: str | None = None) -> float | int | None:
-        """What the export's settle measured in a mode: `way`'s speed over the replay's choice
-        (None where it was not measured), or without `way` the prompts it decoded."""
-        settled = (self.meta.get("settled") or {}).get("greedy" if greedy else "sampling")
-        if settled is None:
-            return None
-        if way is None:
-            return settled["prompts"]
-        return (settled["vs_replay"].get(way) or {}).get("ratio")
+    def _settled_ratio(self, greedy: bool, way: str) -> float | None:
+        """`way`'s settled speed over the replay's choice's in a mode, None where not measured."""
+        return (self._settled(greedy).get("vs_replay", {}).get(way) or {}).get("ratio")
 
 
 def _round_gate(meta: dict) -> RoundGate | None:

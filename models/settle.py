@@ -26,12 +26,12 @@ import torch
 from specstop.decoder.methods import DecodeConfig
 from specstop.decoder.runtime import Runtime
 from specstop.decoder.sampling import Sampling
-from specstop.decoder.stop_model import LOOKUP_KEYS, STATIC_KEYS, LearnedPolicy
+from specstop.decoder.stop_model import (LOOKUP_KEYS, LOOKUP_WAY, STATIC_KEYS, STATIC_WAY,
+                                         TREE_WAY, LearnedPolicy)
 from specstop.evaluation.intervals import Ratio, speed_ratio
 from specstop.evaluation.side_by_side import bench_methods, decoder_method
 
 MODES = {True: "greedy", False: "sampling"}
-LOOKUP_WAY = "tree with the lookup branch"
 
 
 @dataclass(frozen=True)
@@ -109,18 +109,17 @@ def settle(module: torch.jit.ScriptModule, meta: dict, shapes: dict[str, dict | 
     for greedy, contest in contests.items():
         static_key, lookup_key = STATIC_KEYS[greedy], LOOKUP_KEYS[greedy]
         static = contest.static or meta.get(static_key)
-        reference = "static tree" if meta.get(static_key) else "tree"  # the replay's choice
-        shape_of = {reference: meta.get(static_key)}
-        if contest.static is not None:  # and the other kind
-            shape_of.update({"tree": None, "static tree": static})
-        ways = {kind: ({**meta, static_key: shape, lookup_key: False}, False)
-                for kind, shape in shape_of.items()}
+        reference = STATIC_WAY if meta.get(static_key) else TREE_WAY  # the replay's choice
+        kinds = [reference] if contest.static is None else \
+            [reference, TREE_WAY if reference == STATIC_WAY else STATIC_WAY]
+        ways = {kind: ({**meta, static_key: static if kind == STATIC_WAY else None,
+                        lookup_key: False}, False) for kind in kinds}
         if contest.lookup:
             ways[LOOKUP_WAY] = ({**meta, static_key: None, lookup_key: False}, True)
         speeds = measured(run, module, ways, greedy)
         decodes = max(speeds, key=lambda way: speeds[way].ratio)
         if contest.static is not None:
-            static_wins = speeds["static tree"].ratio > speeds["tree"].ratio
+            static_wins = speeds[STATIC_WAY].ratio > speeds[TREE_WAY].ratio
             out[static_key] = static if static_wins else None
         out[lookup_key] = decodes == LOOKUP_WAY
         settled[MODES[greedy]] = {

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 from specstop.common.errors import SpecstopError
@@ -17,9 +18,7 @@ from specstop.prompts.splits import interleave, read_split
 def run(params: Params) -> dict:
     config = params.export
     start = time.perf_counter()
-    settle = config.settle
-    decoding = _decoding(params) if config.costs is None and (settle.margin > 0 or settle.lookup) \
-        else None
+    decoding = _decoding(params) if config.costs is None and config.settle.decodes else None
     metrics = export(config, params.mlflow.store("train"), decoding)
     print(table(metrics))
     for mode, settled in (metrics["settled"] or {}).items():
@@ -51,6 +50,7 @@ def _decoding(params: Params) -> DecodingSource:
     only where a mode is contested."""
     settle, collect = params.export.settle, params.collect
 
+    @functools.cache  # read once: checked before any work, decoded after it
     def texts() -> list[str]:
         table = read_split(collect.prompts, "val", ("text", "source"))
         chosen = [table["text"][i] for i in interleave(table["source"])[: settle.prompts]]

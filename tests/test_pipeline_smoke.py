@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from specstop.decoder.policy import exported_lookup_branch
-from specstop.decoder.stop_model import load_stop_model
+from specstop.decoder.stop_model import LOOKUP_WAY, STATIC_WAY, TREE_WAY, load_stop_model
 from specstop.models import settle
 from specstop.pipeline.params import read_params_file
 from specstop.pipeline.stage_record import read_records
@@ -97,12 +97,12 @@ def test_repro_ends_with_stop_model_metrics_plots_and_runs(smoke: Path):
         speeds = {settled[mode]["replay_decodes"]: 1.0,
                   **{way: r["ratio"] for way, r in settled[mode]["vs_replay"].items()}}
         assert settled[mode]["decodes"] == max(speeds, key=speeds.get)
-        if "static tree" in speeds and "tree" in speeds:
-            faster = speeds["static tree"] > speeds["tree"]
+        if STATIC_WAY in speeds and TREE_WAY in speeds:
+            faster = speeds[STATIC_WAY] > speeds[TREE_WAY]
             assert (greedy in policy.static_shapes) == faster
             assert bench["setup"]["winner_static_tree"][mode] == (
                 settled[mode]["static_tree"] if faster else None)
-        chain = settled[mode]["decodes"] == settle.LOOKUP_WAY
+        chain = settled[mode]["decodes"] == LOOKUP_WAY
         assert exported_lookup_branch(policy, greedy) == chain
         assert bench["setup"]["winner_method"][mode] == (
             "tree+stop_model+lookup" if chain else "tree+stop_model")

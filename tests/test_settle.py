@@ -10,10 +10,10 @@ import torch
 from specstop.decoder.loop import DecodeConfig
 from specstop.decoder.policy import exported_lookup_branch
 from specstop.drafts.loading import load_runtime
-from specstop.decoder.stop_model import LearnedPolicy
+from specstop.decoder.stop_model import LOOKUP_WAY, STATIC_WAY, TREE_WAY, LearnedPolicy
 from specstop.evaluation.intervals import Ratio
 from specstop.models import settle
-from specstop.models.settle import LOOKUP_WAY, Contest
+from specstop.models.settle import Contest
 
 from stop_models import TREE_RULE, linear_module, metadata
 
@@ -78,24 +78,24 @@ def test_the_measured_fastest_way_is_what_the_file_decodes(monkeypatch):
     fastest: the file says so, each mode measured against the replay's choice."""
     meta = stop_meta(sampling_static_tree={**STATIC, "speedup": 1.51}, lookup_model=LOOKUP_MODEL)
     shapes = {"greedy": STATIC, "sampling": {**STATIC, "speedup": 1.51}}
-    speeds = {True: {"tree": 1.0, "static tree": 1.04, LOOKUP_WAY: 1.08},
-              False: {"tree": 1.03, "static tree": 1.0, LOOKUP_WAY: 1.01}}
+    speeds = {True: {TREE_WAY: 1.0, STATIC_WAY: 1.04, LOOKUP_WAY: 1.08},
+              False: {TREE_WAY: 1.03, STATIC_WAY: 1.0, LOOKUP_WAY: 1.01}}
     calls, seen = [], []
     monkeypatch.setattr(settle, "measured", fake_measured(speeds, seen))
     out = settle.settle(None, meta, shapes, 0.05, True, decoding(calls))
     assert calls == [1]  # the models load once, for both modes
-    assert seen == [(True, ["tree", "static tree", LOOKUP_WAY],
-                     {"tree": False, "static tree": False, LOOKUP_WAY: True}),
-                    (False, ["static tree", "tree", LOOKUP_WAY],
-                     {"static tree": False, "tree": False, LOOKUP_WAY: True})]
+    assert seen == [(True, [TREE_WAY, STATIC_WAY, LOOKUP_WAY],
+                     {TREE_WAY: False, STATIC_WAY: False, LOOKUP_WAY: True}),
+                    (False, [STATIC_WAY, TREE_WAY, LOOKUP_WAY],
+                     {STATIC_WAY: False, TREE_WAY: False, LOOKUP_WAY: True})]
     assert out["static_tree"] == STATIC and out["sampling_static_tree"] is None
     assert out["lookup_branch"] is True and out["sampling_lookup_branch"] is False
     greedy = out["settled"]["greedy"]
-    assert greedy["decodes"] == LOOKUP_WAY and greedy["replay_decodes"] == "tree"
-    assert greedy["vs_replay"]["static tree"]["ratio"] == pytest.approx(1.04)
+    assert greedy["decodes"] == LOOKUP_WAY and greedy["replay_decodes"] == TREE_WAY
+    assert greedy["vs_replay"][STATIC_WAY]["ratio"] == pytest.approx(1.04)
     assert greedy["vs_replay"][LOOKUP_WAY]["ratio"] == pytest.approx(1.08)
     assert (out["settled"]["sampling"]["decodes"], out["settled"]["sampling"]["replay_decodes"]) \
-        == ("tree", "static tree")
+        == (TREE_WAY, STATIC_WAY)
     policy = LearnedPolicy(linear_module({"q_token": 8.0}, -2.0), out)
     assert set(policy.static_shapes) == {True}  # greedy without the chain: the shape
     assert exported_lookup_branch(policy, True) and not exported_lookup_branch(policy, False)
@@ -112,11 +112,11 @@ def test_a_static_shape_the_replay_chose_by_far_stays_beside_the_lookup_branch(m
     meta = stop_meta(static_tree=far, sampling_tree_rule=None, lookup_model=LOOKUP_MODEL)
     seen = []
     monkeypatch.setattr(settle, "measured", fake_measured(
-        {True: {"static tree": 1.0, LOOKUP_WAY: 0.98}}, seen))
+        {True: {STATIC_WAY: 1.0, LOOKUP_WAY: 0.98}}, seen))
     out = settle.settle(None, meta, {"greedy": far}, 0.05, True, decoding([]))
-    assert [ways for _, ways, _ in seen] == [["static tree", LOOKUP_WAY]]
+    assert [ways for _, ways, _ in seen] == [[STATIC_WAY, LOOKUP_WAY]]
     assert out["static_tree"] == far and out["lookup_branch"] is False
-    assert out["settled"]["greedy"]["decodes"] == "static tree"
+    assert out["settled"]["greedy"]["decodes"] == STATIC_WAY
     summary = LearnedPolicy(linear_module({"q_token": 8.0}, -2.0), out).tree_summary(0.0, 1.0)
     assert "it beat the learned tree in the replay" in summary
 
@@ -155,7 +155,7 @@ def test_the_settle_times_every_exact_decoding(tiny_model_dir, greedy):
         seen.append(results)
         return results
 
-    ways = {"tree": ({**meta, key: None}, False), "static tree": ({**meta, key: static}, False),
+    ways = {TREE_WAY: ({**meta, key: None}, False), STATIC_WAY: ({**meta, key: static}, False),
             LOOKUP_WAY: ({**meta, key: None}, True)}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(settle, "bench_methods", spy)
@@ -168,6 +168,6 @@ def test_the_settle_times_every_exact_decoding(tiny_model_dir, greedy):
         assert shape.outputs == tree.outputs == chain.outputs
     speed = [sum(s.new_tokens for s in r.per_prompt) / sum(s.seconds for s in r.per_prompt)
              for r in seen[0]]
-    assert ratios["tree"].ratio == 1.0
-    assert ratios["static tree"].ratio == pytest.approx(speed[1] / speed[0])
+    assert ratios[TREE_WAY].ratio == 1.0
+    assert ratios[STATIC_WAY].ratio == pytest.approx(speed[1] / speed[0])
     assert ratios[LOOKUP_WAY].ratio == pytest.approx(speed[2] / speed[0])
