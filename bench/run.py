@@ -111,7 +111,7 @@ def run(config: BenchConfig, models: ModelsConfig, collect: CollectConfig,
     for mode, (temperature, chosen) in modes.items():
         methods = _methods(runtime, _base_config(config, collect, temperature), plan, peers,
                            config.prompt_lookup_tokens)
-        methods = [m for m in methods if chosen is None or m.name in {"ar", *chosen}]
+        methods = [m for m in methods if chosen is None or m.name in {report.AR, *chosen}]
         if len(methods) > 1 or mode == "greedy":
             results[mode] = bench_methods(runtime, prompts, methods, config.seed,
                                           progress=f"bench {mode}", divergence=mode == "greedy")
@@ -197,13 +197,13 @@ def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
                  "ti-mcsd+stop_model": winner.meta["simulated_speedup"],
                  **{f"ti-mcsd+{f}": p.meta["simulated_speedup"] for f, p in families.items()},
                  "static-tree": trees["static_tree"]["simulated_speedup"],
-                 "tree+confidence": trees["confidence_tree"]["simulated_speedup"],
-                 "tree+stop_model": _tree_speedup(winner.meta),
+                 report.CONFIDENCE_TREE: trees["confidence_tree"]["simulated_speedup"],
+                 report.EXPORTED: _tree_speedup(winner.meta),
                  **{f"tree+{f}": _tree_speedup(p.meta) for f, p in families.items()},
                  **_lookup_speedups(train["replay"].get("lookup") or {}, family)}
     sampled = (train["replay"].get("sampling") or {}).get("policies", {})
     simulated_sampling = {"static-tree": sampled.get("static_tree", {}).get("simulated_speedup"),
-                          "tree+stop_model": _tree_speedup(winner.meta, greedy=False)}
+                          report.EXPORTED: _tree_speedup(winner.meta, greedy=False)}
     peer, note = _peer_draft(config.assistant_draft, models.draft)
     measured = draft.get("drafts", {}).get(Path(peer).name, {}) if peer else {}
     return Plan(sd_gamma=sd_gamma, static_gamma=static_gamma,
@@ -226,12 +226,12 @@ def _lookup_speedups(lookup: dict, family: str) -> dict[str, float]:
     chain), `tree+confidence+lookup` and `lookup` alone, where train replayed the logged
     chains."""
     out, policies = {}, lookup.get("policies", {})
-    for method, name in (("tree+stop_model+lookup", family),
-                         ("tree+confidence+lookup", "confidence_tree")):
+    for method, name in ((report.EXPORTED_LOOKUP, family),
+                         (report.CONFIDENCE_LOOKUP, "confidence_tree")):
         if name in policies:
             out[method] = policies[name]["simulated_speedup"]
     if lookup.get("alone"):
-        out["lookup"] = lookup["alone"]["simulated_speedup"]
+        out[report.LOOKUP] = lookup["alone"]["simulated_speedup"]
     return out
 
 
@@ -298,9 +298,9 @@ def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan, peers: Peers | No
     lookup_options = {"max_depth": max(base.max_depth, lookup_tokens),
                       "lookup_ngram": PROMPT_LOOKUP_NGRAM}
     methods = [
-        decoder_method(runtime, base, None, "ar"),
-        decoder_method(runtime, base, None, "ar-aa"),
-        decoder_method(runtime, sd, FixedDepth(plan.sd_gamma), "sd"),
+        decoder_method(runtime, base, None, report.AR),
+        decoder_method(runtime, base, None, report.AA),
+        decoder_method(runtime, sd, FixedDepth(plan.sd_gamma), report.SD),
         decoder_method(runtime, cfg("mcsd"), FixedDepth(plan.static_gamma), "mcsd"),
         decoder_method(runtime, ti, FixedDepth(plan.static_gamma), "ti-mcsd"),
         decoder_method(runtime, ti, ConfidenceThreshold(plan.confidence), "ti-mcsd+confidence"),
@@ -308,14 +308,14 @@ def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan, peers: Peers | No
         decoder_method(runtime, ti, plan.winner, "ti-mcsd+stop_model"),
         decoder_method(runtime, static_tree, FixedDepth(shape["depth"]), "static-tree"),
         decoder_method(runtime, cfg("tree"), ConfidenceTree(plan.confidence_tree),
-                       "tree+confidence"),
+                       report.CONFIDENCE_TREE),
         *[decoder_method(runtime, cfg("tree"), p, f"tree+{f}") for f, p in plan.families.items()],
-        decoder_method(runtime, cfg("tree"), plan.winner, "tree+stop_model"),
+        decoder_method(runtime, cfg("tree"), plan.winner, report.EXPORTED),
         decoder_method(runtime, cfg("tree", lookup_branch=True, **lookup_options),
                        ConfidenceTree(plan.confidence_tree, lookup_model=plan.winner.lookup_model),
-                       "tree+confidence+lookup"),
+                       report.CONFIDENCE_LOOKUP),
         decoder_method(runtime, cfg("tree", lookup_branch=True, **lookup_options), plan.winner,
-                       "tree+stop_model+lookup"),
+                       report.EXPORTED_LOOKUP),
         decoder_method(runtime, cfg("ti-mcsd", lossy=True), FixedDepth(plan.static_gamma),
                        "ti-mcsd-lossy"),  # static: the models never saw lossy rounds
     ]
@@ -328,7 +328,7 @@ def _methods(runtime: Runtime, base: DecodeConfig, plan: Plan, peers: Peers | No
                     assisted_method(runtime, peers.assistant, base,
                                     static_settings(plan.peer_gamma), "hf-assisted-static")]
     return methods + [decoder_method(runtime, cfg("lookup", **lookup_options),
-                                     FixedDepth(lookup_tokens), "lookup"),
+                                     FixedDepth(lookup_tokens), report.LOOKUP),
                       prompt_lookup_method(runtime, base, lookup_tokens)]
 
 

@@ -2,7 +2,9 @@
 
 - `CostCurve`: the one reading of a measured table (seconds of one pass by width).  `.at(n)` is
   a pass over n tokens in one-token steps: the measured ratio, linearly interpolated between
-  measured widths, extrapolated beyond the widest with the slope of the two widest.
+  measured widths, extrapolated beyond the widest with the slope of the two widest, never less
+  than the mean slope over the table (a slow shape just below the widest, as an AVX2-only host's
+  v(24) 5.86 against v(32) 3.84, would price wider passes below the widest, then below 0).
   `.padded(n)` is the width the decode loop runs a pass over n tokens at (`loop.score`) and
   what that costs: a measured n runs at the cheapest measured width >= n (ties to the narrower),
   an unmeasured n at n itself (priced by `.at`).  `.price(n)` is that cost in `ar` steps (a
@@ -60,7 +62,8 @@ class CostCurve:
 
     def at(self, n: int) -> float:
         """One-token steps of a pass over n tokens (0 for none), interpolated where n was not
-        measured, extrapolated beyond the widest measured width by the last slope."""
+        measured, extrapolated beyond the widest measured width by the last slope or the mean
+        slope from width 1, whichever is steeper (and never falling)."""
         if n in self.seconds:
             return self.seconds[n] / self.step
         if n < 1:
@@ -70,8 +73,9 @@ class CostCurve:
             return 1.0
         values = np.array([self.seconds[w] for w in widths]) / self.step
         if n > widths[-1]:
-            slope = (values[-1] - values[-2]) / (widths[-1] - widths[-2])
-            return float(values[-1] + slope * (n - widths[-1]))
+            last = (values[-1] - values[-2]) / (widths[-1] - widths[-2])
+            mean = (values[-1] - values[0]) / (widths[-1] - widths[0])
+            return float(values[-1] + max(last, mean, 0.0) * (n - widths[-1]))
         return float(np.interp(n, widths, values))
 
     def padded(self, n: int) -> tuple[int, float]:

@@ -188,9 +188,11 @@ class LearnedPolicy:
             tree = self.meta["gated_speedup" if greedy else "sampling_tree_speedup"]
             static_over, tree_over = (self._settled_ratio(greedy, way)
                                       for way in (STATIC_WAY, TREE_WAY))
-            settle = f"on {self._settled(greedy).get('prompts')} val prompts (the export's settle)"
-            why = (f"it decoded {static_over:.3f}x the learned tree's speed {settle}" if static_over
-                   else f"the learned tree decoded {tree_over:.3f}x its speed {settle}" if tree_over
+            settle = "val prompts (the export's settle)"
+            why = (f"it decoded {static_over:.3f}x the learned tree's speed on "
+                   f"{self._settled_prompts(greedy)} {settle}" if static_over
+                   else f"the learned tree decoded {tree_over:.3f}x its speed on "
+                   f"{self._settled_prompts(greedy)} {settle}" if tree_over
                    else f"it beat the learned tree in the replay on its cost curve "
                    f"({static['speedup']:.3f}x ar against {tree:.3f}x)")
             return (f"stop model: {family} decodes the static tree {list(shape.widths)} to depth "
@@ -206,7 +208,7 @@ class LearnedPolicy:
         measured = self._settled_ratio(greedy, LOOKUP_WAY)
         if lookup_branch and measured:
             chain += (f" ({measured:.3f}x the speed of the replay's choice on "
-                      f"{self._settled(greedy)['prompts']} val prompts: the export's settle)")
+                      f"{self._settled_prompts(greedy)} val prompts: the export's settle)")
         return (f"stop model: {family}, tree rule (expand {rule.expand:.3g}, max "
                 f"width {rule.max_width}, rho {rule.rho:.4g}){chain}; decisions "
                 f"{100 * share:.2f}% of the decode time{gate}")
@@ -214,6 +216,10 @@ class LearnedPolicy:
     def _settled(self, greedy: bool) -> dict:
         """What the export's settle measured in a mode (`models.settle`), {} where it did not."""
         return (self.meta.get("settled") or {}).get("greedy" if greedy else "sampling") or {}
+
+    def _settled_prompts(self, greedy: bool) -> int:
+        """How many val prompts the export's settle decoded in a mode (only where it did)."""
+        return self._settled(greedy)["prompts"]
 
     def _settled_ratio(self, greedy: bool, way: str) -> float | None:
         """`way`'s settled speed over the replay's choice's in a mode, None where not measured."""

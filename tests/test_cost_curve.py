@@ -28,6 +28,11 @@ def test_at_reads_measured_widths_interpolates_between_and_extrapolates_beyond()
     assert UNEVEN.at(3) == pytest.approx(1.2)  # halfway between 0.9 and 1.5
     assert UNEVEN.at(12) == pytest.approx(1.6)
     assert UNEVEN.at(20) == pytest.approx(2.0 + 4 * 0.1)  # the slope of 8..16
+    falling = CostCurve({1: 1.0, 2: 1.51, 4: 1.89, 8: 2.22, 16: 2.65, 24: 5.86, 32: 3.84})
+    # ^ an AVX2-only host's table (fp32): a slow shape at 24 tokens, below the widest's slope
+    assert falling.at(48) == pytest.approx(3.84 + 16 * (3.84 - 1.0) / 31)  # the mean slope
+    assert all(falling.at(n + 1) > falling.at(n) > 3.84 for n in range(33, 80))
+    assert CostCurve({1: 1.0, 2: 0.9, 4: 0.8}).at(6) == pytest.approx(0.8)  # never falling
     assert CostCurve({1: 0.5}).at(7) == 1.0  # one width: flat
     assert CostCurve({1: 2.0, 3: 3.0}).at(2) == pytest.approx(1.25)  # in one-token steps
 
