@@ -200,7 +200,8 @@ def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
                  report.CONFIDENCE_TREE: trees["confidence_tree"]["simulated_speedup"],
                  report.EXPORTED: _tree_speedup(winner.meta),
                  **{f"tree+{f}": _tree_speedup(p.meta) for f, p in families.items()},
-                 **_lookup_speedups(train["replay"].get("lookup") or {}, family)}
+                 **_lookup_speedups(train["replay"].get("lookup") or {}, family
+                                    if winner.confidence_tree is None else "confidence_tree")}
     sampled = (train["replay"].get("sampling") or {}).get("policies", {})
     simulated_sampling = {"static-tree": sampled.get("static_tree", {}).get("simulated_speedup"),
                           report.EXPORTED: _tree_speedup(winner.meta, greedy=False)}
@@ -221,12 +222,12 @@ def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
                 if peer != models.draft else sd_gamma)
 
 
-def _lookup_speedups(lookup: dict, family: str) -> dict[str, float]:
-    """The replayed speeds of `tree+stop_model+lookup` (the winner's tree with the lookup
-    chain), `tree+confidence+lookup` and `lookup` alone, where train replayed the logged
-    chains."""
+def _lookup_speedups(lookup: dict, exported: str) -> dict[str, float]:
+    """The replayed speeds of `tree+stop_model+lookup` (`exported`: the winner's family, or
+    the confidence tree where the file decodes that with the lookup chain),
+    `tree+confidence+lookup` and `lookup` alone, where train replayed the logged chains."""
     out, policies = {}, lookup.get("policies", {})
-    for method, name in ((report.EXPORTED_LOOKUP, family),
+    for method, name in ((report.EXPORTED_LOOKUP, exported),
                          (report.CONFIDENCE_LOOKUP, "confidence_tree")):
         if name in policies:
             out[method] = policies[name]["simulated_speedup"]

@@ -33,7 +33,8 @@ from .costs import CostCurve
 from .drafter import Drafter, draft_children
 from .kv import KVModel
 from .lookup import Lookup
-from .methods import DecodeConfig, Round, round_method, with_static_fallback
+from .methods import (DecodeConfig, Round, round_method, with_confidence_tree,
+                      with_static_fallback)
 from .policy import StoppingPolicy, TreePolicy
 from .sampling import Sampling, sample, warp
 from .tree import Tree
@@ -162,11 +163,13 @@ def generate(
 
     `policy`: a StoppingPolicy for the static methods (default: their tree's full depth), a
     TreePolicy for `tree` (one naming a static shape for this sampling decodes that shape:
-    `with_static_fallback`).  `costs` (the target's measured cost curve) lets each target pass
-    be padded to a cheaper width (`CostCurve.padded`); `hook` receives a RoundRecord per round
-    (nothing is recorded without it).
+    `with_static_fallback`; one naming a confidence tree, greedy with the lookup branch, that
+    tree: `with_confidence_tree`).  `costs` (the target's measured cost curve) lets each target
+    pass be padded to a cheaper width (`CostCurve.padded`); `hook` receives a RoundRecord per
+    round (nothing is recorded without it).
     """
     config, policy = with_static_fallback(config, policy)
+    policy = with_confidence_tree(config, policy)
     method = round_method(config.method)
     tree = tree_for(config)  # `tree` rounds build their own
     policy = method.checked_policy(config, tree, drafter, policy)

@@ -16,7 +16,9 @@ loop (`loop.py`) compares no method names:
   and the prefix of the chain that pays.
 
 A `tree` decode whose policy names a static shape for its sampling (`policy.static_shape`: it
-replayed faster than the policy's tree) is that shape's `mcsd` decode (`with_static_fallback`).
+replayed faster than the policy's tree) is that shape's `mcsd` decode (`with_static_fallback`);
+a greedy one with the lookup branch whose policy names a confidence tree (it decoded faster than
+the policy's own tree) is that `ConfidenceTree`'s decode (`with_confidence_tree`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .contracts import Proposal
 from .drafter import Drafter, draft_level
 from .dynamic import propose_chain, propose_tree
 from .lookup import Lookup, LookupBranch, lookup_branch, lookup_proposal
-from .policy import FixedDepth, StoppingPolicy, TreePolicy, static_shape
+from .policy import ConfidenceTree, FixedDepth, StoppingPolicy, TreePolicy, static_shape
 from .round_gate import RoundGate
 from .sampling import Sampling
 from .tree import Tree
@@ -272,6 +274,18 @@ def with_static_fallback(config: DecodeConfig, policy: StoppingPolicy | TreePoli
     depth = min(shape.depth, config.max_depth)
     return (replace(config, method="mcsd", mcsd_branching=shape.widths, max_depth=depth),
             FixedDepth(depth))
+
+
+def with_confidence_tree(config: DecodeConfig, policy: StoppingPolicy | TreePolicy | None
+                         ) -> StoppingPolicy | TreePolicy | None:
+    """The policy of a greedy `tree` decode with the lookup branch: the draft's confidence tree
+    with the policy's rule for it and its lookup model where it names one
+    (`LearnedPolicy.confidence_tree`), else `policy` itself."""
+    rule = getattr(policy, "confidence_tree", None)
+    if config.method != "tree" or not config.lookup_branch or not config.sampling.greedy \
+            or rule is None:
+        return policy
+    return ConfidenceTree(rule, lookup_model=policy.lookup_model)
 
 
 def round_method(name: str) -> RoundMethod:

@@ -17,6 +17,9 @@ The rules are those the replay tuned, with the arithmetic both share (`.policy`)
   P(accepted | parent accepted) (`.lookup.LookupModel`) when a round adds the chain, and
   `lookup_branch` / `sampling_lookup_branch`: the tree with the chain decoded faster on val
   prompts (`settled`), so a decode that leaves it to the file adds it (`exported_lookup_branch`);
+  `confidence_tree`, the draft's confidence tree's rule where it decoded fastest greedy with the
+  chain (`settled`), which a greedy decode with the chain then runs instead of the model's tree
+  (`.methods.with_confidence_tree`);
 - threshold: continue below a node while p-hat > t;
 - cost_aware: continue below a node while P_d * p-hat_d / (c + v)_d > rho: P_d the product of
   p-hat along the node's branch within the round, level d included (reset at depth 1, carried
@@ -51,7 +54,8 @@ STATIC_KEYS = {True: "static_tree", False: "sampling_static_tree"}  # by greedy:
 LOOKUP_KEYS = {True: "lookup_branch", False: "sampling_lookup_branch"}  # by greedy: whether the
 # tree decodes with the lookup branch where the decode leaves it to the file (`models.settle`)
 TREE_WAY, STATIC_WAY, LOOKUP_WAY = "tree", "static tree", "tree with the lookup branch"  # the
-# ways the settle decodes (`settled[mode].vs_replay`'s keys)
+# ways the settle decodes (`settled[mode].vs_replay`'s keys), and greedy the confidence tree's:
+CONFIDENCE_WAY = "confidence tree with the lookup branch"  # the draft's confidence, no model
 
 
 def read_stop_model(path: Path) -> tuple[torch.jit.ScriptModule, dict]:
@@ -117,6 +121,8 @@ class LearnedPolicy:
             self.lookup_model = LookupModel.from_dict(lookup) if lookup else None
             self.lookup_branches = {greedy: bool(meta.get(key)) and lookup is not None
                                     for greedy, key in LOOKUP_KEYS.items()}
+            confidence = meta.get("confidence_tree") if self.lookup_branches[True] else None
+            self.confidence_tree = TreeRule.from_dict(confidence) if confidence else None
         except (KeyError, TypeError, ValueError) as err:
             raise SpecstopError(f"{source or 'stop model'}: incomplete metadata "
                                 f"({type(err).__name__}: {err})") from err
@@ -180,7 +186,8 @@ class LearnedPolicy:
                      rounds: int = 0, greedy: bool = True, lookup_branch: bool = False) -> str:
         """One line on the `tree` method's use of the model (its decisions' share of a run, the
         rounds its gate kept from drafting, the lookup branch beside its tree), or why it ran
-        plain `ar` or a static shape (never with a lookup branch: `with_static_fallback`)."""
+        plain `ar`, a static shape (never with a lookup branch: `with_static_fallback`) or the
+        draft's confidence tree (greedy with the lookup branch only: `with_confidence_tree`)."""
         family = self.meta["family"]
         shape = self.static_shapes.get(greedy)
         if shape is not None and not lookup_branch:
@@ -188,15 +195,21 @@ class LearnedPolicy:
             tree = self.meta["gated_speedup" if greedy else "sampling_tree_speedup"]
             static_over, tree_over = (self._settled_ratio(greedy, way)
                                       for way in (STATIC_WAY, TREE_WAY))
-            settle = "val prompts (the export's settle)"
-            why = (f"it decoded {static_over:.3f}x the learned tree's speed on "
-                   f"{self._settled_prompts(greedy)} {settle}" if static_over
-                   else f"the learned tree decoded {tree_over:.3f}x its speed on "
-                   f"{self._settled_prompts(greedy)} {settle}" if tree_over
+            why = (f"it decoded {static_over:.3f}x the learned tree's speed "
+                   f"{self._settle_note(greedy)}" if static_over
+                   else f"the learned tree decoded {tree_over:.3f}x its speed "
+                   f"{self._settle_note(greedy)}" if tree_over
                    else f"it beat the learned tree in the replay on its cost curve "
                    f"({static['speedup']:.3f}x ar against {tree:.3f}x)")
             return (f"stop model: {family} decodes the static tree {list(shape.widths)} to depth "
                     f"{shape.depth}: {why}")
+        if self.confidence_tree is not None and greedy and lookup_branch:
+            rule, over = self.confidence_tree, self._settled_ratio(greedy, CONFIDENCE_WAY)
+            why = f": it decoded {over:.3f}x the speed of the replay's choice " \
+                f"{self._settle_note(greedy)}" if over else ""
+            return (f"stop model: {family} decodes the draft's confidence tree (expand "
+                    f"{rule.expand:.3g}, max width {rule.max_width}, rho {rule.rho:.4g}) with the "
+                    f"lookup branch{why}")
         if self.round_gate is not None and self.round_gate.never:
             return (f"stop model: {family} falls back to ar: no drafting policy beat ar in the "
                     f"replay on its cost curve (its tree {self.meta['tree_speedup']:.3f}x ar); "
@@ -207,8 +220,8 @@ class LearnedPolicy:
         chain = ", with the lookup branch" if lookup_branch else ""
         measured = self._settled_ratio(greedy, LOOKUP_WAY)
         if lookup_branch and measured:
-            chain += (f" ({measured:.3f}x the speed of the replay's choice on "
-                      f"{self._settled_prompts(greedy)} val prompts: the export's settle)")
+            chain += f", {measured:.3f}x the speed of the replay's choice " \
+                f"{self._settle_note(greedy)}"
         return (f"stop model: {family}, tree rule (expand {rule.expand:.3g}, max "
                 f"width {rule.max_width}, rho {rule.rho:.4g}){chain}; decisions "
                 f"{100 * share:.2f}% of the decode time{gate}")
@@ -217,9 +230,9 @@ class LearnedPolicy:
         """What the export's settle measured in a mode (`models.settle`), {} where it did not."""
         return (self.meta.get("settled") or {}).get("greedy" if greedy else "sampling") or {}
 
-    def _settled_prompts(self, greedy: bool) -> int:
-        """How many val prompts the export's settle decoded in a mode (only where it did)."""
-        return self._settled(greedy)["prompts"]
+    def _settle_note(self, greedy: bool) -> str:
+        """Where a settled ratio was measured (only where the export's settle decoded)."""
+        return f"on {self._settled(greedy)['prompts']} val prompts (the export's settle)"
 
     def _settled_ratio(self, greedy: bool, way: str) -> float | None:
         """`way`'s settled speed over the replay's choice's in a mode, None where not measured."""

@@ -7,8 +7,8 @@ equal the trained model's within `tolerance`, or the stage fails.  The winner is
 whose dynamic tree (`tree_rule` in the metadata) is fastest in the val replay; ties go to the
 lower decision latency of the exported file.  Where the winner's tree and the best static
 shape replayed within `export.settle.margin` of each other, the two are decoded on val prompts
-beside the tree with the lookup branch, and the fastest is what the file decodes
-(`models.settle`; this machine's only).  With
+beside the tree with the lookup branch (greedy also the confidence tree with it), and the
+fastest is what the file decodes (`models.settle`; this machine's only).  With
 `export.costs` (another machine's costs.json) every family's tree rule is re-tuned on val for
 that cost curve before export: the same predictions, the trees that pay there, and their round
 gates (`models.round_gate`):
@@ -138,7 +138,7 @@ def _settled(path: Path, meta: dict, summary: dict, config: SettleConfig,
     with it where the settle decoded."""
     module, _ = read_stop_model(path)
     settled = settle.settle(module, meta, summary.get("static_shapes") or {}, config.margin,
-                            config.lookup, decoding)
+                            config.lookup, decoding, summary.get("confidence_tree_rule"))
     if settled is not meta:
         scripted.save(module, settled, path)
     return settled

@@ -9,11 +9,12 @@ branch has no replay under sampling at all.  So in each mode (greedy, and sample
 export has a sampling rule) the winner is decoded on val prompts, in turn a prompt at a time
 (`evaluation.side_by_side.bench_methods`), as the replay chose beside each contender: the other
 kind where its tree and the best static shape replayed within `export.settle.margin` of each
-other, and its tree with the lookup branch where the file has a lookup model.  The fastest is
-what the file decodes: its `static_tree` / `sampling_static_tree` set where the static shape
-beat the tree, and `lookup_branch` / `sampling_lookup_branch` set where the lookup branch beat
-both; `settled` says what was measured.  None of them changes the output's distribution: each
-is exact.
+other, and its tree with the lookup branch where the file has a lookup model, greedy also the
+draft's confidence tree (stage train's rule for it) with the same branch.  The fastest is what
+the file decodes: its `static_tree` / `sampling_static_tree` set where the static shape beat
+the tree, `lookup_branch` / `sampling_lookup_branch` set where the lookup branch beat both, and
+`confidence_tree` (the rule) where the confidence tree with the branch beat them all; `settled`
+says what was measured.  None of them changes the output's distribution: each is exact.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import torch
 from specstop.decoder.methods import DecodeConfig
 from specstop.decoder.runtime import Runtime
 from specstop.decoder.sampling import Sampling
-from specstop.decoder.stop_model import (LOOKUP_KEYS, LOOKUP_WAY, STATIC_KEYS, STATIC_WAY,
-                                         TREE_WAY, LearnedPolicy)
+from specstop.decoder.stop_model import (CONFIDENCE_WAY, LOOKUP_KEYS, LOOKUP_WAY, STATIC_KEYS,
+                                         STATIC_WAY, TREE_WAY, LearnedPolicy)
 from specstop.evaluation.intervals import Ratio, speed_ratio
 from specstop.evaluation.side_by_side import bench_methods, decoder_method
 
@@ -59,18 +60,21 @@ class DecodingSource:
 @dataclass(frozen=True)
 class Contest:
     """What one mode's tree is decoded beside: the static shape (widths, depth, replayed speed)
-    whose replay is close to the tree's, and whether its tree with the lookup branch."""
+    whose replay is close to the tree's, whether its tree with the lookup branch, and the
+    confidence tree's rule to decode with the branch (greedy, where the tree drafts)."""
 
     static: dict | None
     lookup: bool
+    confidence: dict | None = None
 
 
 def contested(meta: dict, shapes: dict[str, dict | None], margin: float,
-              lookup: bool = False) -> dict[bool, Contest]:
+              lookup: bool = False, confidence: dict | None = None) -> dict[bool, Contest]:
     """By greedy, in the modes the stop model's tree decodes (sampled only with a sampling
     rule): the static shape (`shapes[mode]`) whose replay is within `margin` (relative) of the
-    tree's (none behind `fallback: ar`), and the lookup branch where `lookup` and the file has
-    a lookup model; modes with neither are left out."""
+    tree's (none behind `fallback: ar`), the lookup branch where `lookup` and the file has
+    a lookup model, and with it greedy the `confidence` tree rule where the tree drafts; modes
+    with none are left out."""
     out = {}
     for greedy, mode in MODES.items():
         if not greedy and not meta.get("sampling_tree_rule"):
@@ -80,7 +84,8 @@ def contested(meta: dict, shapes: dict[str, dict | None], margin: float,
             abs(shape["speedup"] / tree - 1) <= margin
         chain = lookup and bool(meta.get("lookup_model"))
         if close or chain:
-            out[greedy] = Contest(shape if close else None, chain)
+            rival = confidence if chain and greedy and tree is not None else None
+            out[greedy] = Contest(shape if close else None, chain, rival)
     return out
 
 
@@ -95,13 +100,15 @@ def tree_speed(meta: dict, greedy: bool) -> float | None:
 
 
 def settle(module: torch.jit.ScriptModule, meta: dict, shapes: dict[str, dict | None],
-           margin: float, lookup: bool, decoding: Callable[[], Decoding]) -> dict:
+           margin: float, lookup: bool, decoding: Callable[[], Decoding],
+           confidence: dict | None = None) -> dict:
     """`meta` with each contested mode decided by decoding: its static shape set where it
     decoded faster than the tree (kept as the replay chose it where the two were not close),
-    its lookup branch set where that decoded fastest; and `settled` (by mode: the replays, each
-    way's measured speed over the replay's choice's).  `meta` itself where no mode is
-    contested (`decoding`, which loads the models, not called)."""
-    contests = contested(meta, shapes, margin, lookup)
+    its lookup branch set where that decoded fastest, with the `confidence` tree rule where
+    the confidence tree with the branch did; and `settled` (by mode: the replays, each way's
+    measured speed over the replay's choice's).  `meta` itself where no mode is contested
+    (`decoding`, which loads the models, not called)."""
+    contests = contested(meta, shapes, margin, lookup, confidence)
     if not contests:
         return meta
     run = decoding()
@@ -116,12 +123,17 @@ def settle(module: torch.jit.ScriptModule, meta: dict, shapes: dict[str, dict | 
                         lookup_key: False}, False) for kind in kinds}
         if contest.lookup:
             ways[LOOKUP_WAY] = ({**meta, static_key: None, lookup_key: False}, True)
+        if contest.confidence is not None:
+            ways[CONFIDENCE_WAY] = ({**meta, static_key: None, lookup_key: True,
+                                     "confidence_tree": contest.confidence}, True)
         speeds = measured(run, module, ways, greedy)
         decodes = max(speeds, key=lambda way: speeds[way].ratio)
         if contest.static is not None:
             static_wins = speeds[STATIC_WAY].ratio > speeds[TREE_WAY].ratio
             out[static_key] = static if static_wins else None
-        out[lookup_key] = decodes == LOOKUP_WAY
+        out[lookup_key] = decodes in (LOOKUP_WAY, CONFIDENCE_WAY)
+        if greedy:
+            out["confidence_tree"] = contest.confidence if decodes == CONFIDENCE_WAY else None
         settled[MODES[greedy]] = {
             "static_tree": static, "tree_speedup": tree_speed(meta, greedy),
             "vs_replay": {way: ratio.as_dict() for way, ratio in speeds.items()

@@ -1,6 +1,7 @@
 """Stage export's settle (`models.settle`): which modes are decoded and beside what (the close
-static shape, the lookup branch), the measured fastest way written into the winner's file, and
-nothing loaded where nothing is contested; the decodes themselves on a tiny model."""
+static shape, the lookup branch, greedy the confidence tree with it), the measured fastest way
+written into the winner's file, and nothing loaded where nothing is contested; the decodes
+themselves on a tiny model, and a file naming the confidence tree decoding it."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import pytest
 import torch
 
 from specstop.decoder.loop import DecodeConfig
-from specstop.decoder.policy import exported_lookup_branch
+from specstop.decoder.policy import ConfidenceTree, exported_lookup_branch
+from specstop.decoder.sampling import Sampling
 from specstop.drafts.loading import load_runtime
-from specstop.decoder.stop_model import LOOKUP_WAY, STATIC_WAY, TREE_WAY, LearnedPolicy
+from specstop.decoder.stop_model import (CONFIDENCE_WAY, LOOKUP_WAY, STATIC_WAY, TREE_WAY,
+                                         LearnedPolicy)
+from specstop.decoder.tree_rule import TreeRule
 from specstop.evaluation.intervals import Ratio
 from specstop.models import settle
 from specstop.models.settle import Contest
@@ -20,6 +24,7 @@ from stop_models import TREE_RULE, linear_module, metadata
 STATIC = {"widths": [2, 1, 1], "depth": 1, "speedup": 1.52}
 LOOKUP_MODEL = {"features": ["position", "ngram", "log_gap", "recent"],
                 "weights": [0.1, 1.0, 0.7, 0.9], "bias": -1.0}
+CONFIDENCE = {**TREE_RULE, "expand": 0.0, "rho": 0.0, "max_width": 3}  # feeds and verifies all
 
 
 def stop_meta(**changes) -> dict:
@@ -54,6 +59,18 @@ def test_the_lookup_branch_is_contested_where_the_file_has_a_lookup_model():
     assert settle.contested(stop_meta(lookup_model=LOOKUP_MODEL, fallback="ar",
                                       sampling_tree_rule=None), shapes, 0.05, lookup=True) \
         == {True: Contest(None, True)}
+
+
+def test_greedy_the_confidence_tree_joins_the_lookup_branch_where_the_tree_drafts():
+    shapes = {"greedy": STATIC, "sampling": {**STATIC, "speedup": 1.6}}
+    chain = stop_meta(lookup_model=LOOKUP_MODEL)
+    assert settle.contested(chain, shapes, 0.05, True, CONFIDENCE) == {
+        True: Contest(STATIC, True, CONFIDENCE), False: Contest(None, True)}
+    assert settle.contested(chain, shapes, 0.05, False, CONFIDENCE) == {
+        True: Contest(STATIC, False)}  # no branch: no confidence tree (its replay had one)
+    assert settle.contested(stop_meta(lookup_model=LOOKUP_MODEL, fallback="ar",
+                                      sampling_tree_rule=None), shapes, 0.05, True,
+                            CONFIDENCE) == {True: Contest(None, True)}  # no tree drafts
 
 
 def fake_measured(speeds: dict[bool, dict[str, float]], seen: list):
@@ -103,6 +120,34 @@ def test_the_measured_fastest_way_is_what_the_file_decodes(monkeypatch):
         0.0, 1.0, lookup_branch=True)
     assert "decoded 1.040x the learned tree's speed on 3 val prompts" in policy.tree_summary(
         0.0, 1.0)
+
+
+@pytest.mark.parametrize("fastest", [CONFIDENCE_WAY, LOOKUP_WAY])
+def test_where_the_confidence_tree_decodes_fastest_the_file_names_its_rule(monkeypatch, fastest):
+    """Greedy, the confidence tree with the lookup branch is decoded beside the others: the
+    file names its rule (and the branch) only where it was the fastest, and says so."""
+    meta = stop_meta(sampling_tree_rule=None, lookup_model=LOOKUP_MODEL)
+    speeds = {TREE_WAY: 1.0, STATIC_WAY: 1.02, LOOKUP_WAY: 1.05,
+              CONFIDENCE_WAY: 1.07 if fastest == CONFIDENCE_WAY else 1.03}
+    seen = []
+    monkeypatch.setattr(settle, "measured", fake_measured({True: speeds}, seen))
+    out = settle.settle(None, meta, {"greedy": STATIC}, 0.05, True, decoding([]), CONFIDENCE)
+    assert seen == [(True, [TREE_WAY, STATIC_WAY, LOOKUP_WAY, CONFIDENCE_WAY],
+                     {TREE_WAY: False, STATIC_WAY: False, LOOKUP_WAY: True,
+                      CONFIDENCE_WAY: True})]
+    assert out["settled"]["greedy"]["decodes"] == fastest and out["lookup_branch"] is True
+    policy = LearnedPolicy(linear_module({"q_token": 8.0}, -2.0), out)
+    line = policy.tree_summary(0.0, 1.0, lookup_branch=True)
+    if fastest == CONFIDENCE_WAY:
+        assert out["confidence_tree"] == CONFIDENCE
+        assert policy.confidence_tree == TreeRule.from_dict(CONFIDENCE)
+        assert "decodes the draft's confidence tree (expand 0, max width 3" in line
+        assert "1.070x the speed of the replay's choice on 3 val prompts" in line
+    else:
+        assert out["confidence_tree"] is None and policy.confidence_tree is None
+        assert "1.050x the speed of the replay's choice on 3 val prompts" in line
+    # without the branch the file's own tree decodes: the confidence tree was measured with it
+    assert policy.tree_summary(0.0, 1.0).startswith("stop model: logistic decodes the static")
 
 
 def test_a_static_shape_the_replay_chose_by_far_stays_beside_the_lookup_branch(monkeypatch):
@@ -157,17 +202,47 @@ def test_the_settle_times_every_exact_decoding(tiny_model_dir, greedy):
 
     ways = {TREE_WAY: ({**meta, key: None}, False), STATIC_WAY: ({**meta, key: static}, False),
             LOOKUP_WAY: ({**meta, key: None}, True)}
+    if greedy:
+        ways[CONFIDENCE_WAY] = ({**meta, key: None, "lookup_branch": True,
+                                 "confidence_tree": CONFIDENCE}, True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(settle, "bench_methods", spy)
         ratios = settle.measured(run, module, ways, greedy)
-    tree, shape, chain = seen[0]
+    tree, shape, chain = seen[0][:3]
     assert [r.method for r in seen[0]] == list(ways) == list(ratios)
     assert all(len(r.per_prompt) == 3 for r in seen[0])
     assert all(s.drafted_levels > 0 for s in tree.per_prompt + shape.per_prompt)
     if greedy:
-        assert shape.outputs == tree.outputs == chain.outputs
+        assert all(r.outputs == tree.outputs for r in seen[0])
     speed = [sum(s.new_tokens for s in r.per_prompt) / sum(s.seconds for s in r.per_prompt)
              for r in seen[0]]
     assert ratios[TREE_WAY].ratio == 1.0
     assert ratios[STATIC_WAY].ratio == pytest.approx(speed[1] / speed[0])
     assert ratios[LOOKUP_WAY].ratio == pytest.approx(speed[2] / speed[0])
+    if greedy:
+        assert ratios[CONFIDENCE_WAY].ratio == pytest.approx(speed[3] / speed[0])
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_file_naming_the_confidence_tree_decodes_it_greedy_with_the_lookup_branch(
+        tiny_model_dir, greedy):
+    """On a tiny model: the file's model stops every tree at once (P ~ 0), its confidence
+    tree's rule does not; greedy with the branch the file decodes as `ConfidenceTree` with the
+    file's lookup model, round for round, and sampled (or without the branch) its own tree."""
+    runtime = load_runtime(str(tiny_model_dir), str(tiny_model_dir), "float32", "cpu")
+    prompt = runtime.encode("1, 2, 3, 1, 2, 3, 1, 2,", chat=False, special_tokens=False)
+    base = DecodeConfig(method="tree", max_new_tokens=12, max_depth=4, mcsd_branching=(2, 1, 1),
+                        lookup_branch=True, sampling=Sampling(0.0 if greedy else 1.0))
+    meta = stop_meta(lookup_model=LOOKUP_MODEL, lookup_branch=True, confidence_tree=CONFIDENCE,
+                     sampling_lookup_branch=True)
+    never = linear_module({}, -30.0)
+    file = runtime.generate(prompt, base, LearnedPolicy(never, meta), seed=3)
+    own = runtime.generate(prompt, base, LearnedPolicy(never, {**meta, "confidence_tree": None}),
+                           seed=3)
+    confidence = runtime.generate(prompt, base, ConfidenceTree(
+        TreeRule.from_dict(CONFIDENCE), lookup_model=LearnedPolicy(never, meta).lookup_model),
+        seed=3)
+    stats = [(g.tokens, g.stats.target_calls, g.stats.drafted_tokens, g.stats.verified_tokens)
+             for g in (file, own, confidence)]
+    assert stats[0] == (stats[2] if greedy else stats[1])
+    assert stats[1][2] != stats[2][2]  # the two trees draft differently: the test can tell
