@@ -18,8 +18,8 @@ from specstop.common.params import ExportConfig, SettleConfig
 from specstop.decoder.costs import CostCurve, CostModel
 from specstop.decoder.loop import DecodeConfig
 from specstop.decoder.policy import ConfidenceThreshold, FixedDepth, decoding_rule
-from specstop.decoder.stop_model import (LOOKUP_KEYS, LOOKUP_WAY, STATIC_KEYS, STATIC_WAY,
-                                        TREE_WAY, LearnedPolicy, load_stop_model,
+from specstop.decoder.stop_model import (CONFIDENCE_WAY, LOOKUP_KEYS, LOOKUP_WAY, STATIC_KEYS,
+                                        STATIC_WAY, TREE_WAY, LearnedPolicy, load_stop_model,
                                         read_stop_model)
 from specstop.decoder.tree_rule import TreeRule
 from specstop.features import FEATURES, SCHEMA_VERSION, feature_index
@@ -425,10 +425,13 @@ def test_a_close_replay_is_settled_in_the_exported_file(exported, tmp_path, tiny
                   **{way: r["ratio"] for way, r in settled["vs_replay"].items()}}
         assert {TREE_WAY, STATIC_WAY} <= set(speeds) and min(speeds.values()) > 0
         assert (LOOKUP_WAY in speeds) == bool(meta.get("lookup_model"))
+        assert (CONFIDENCE_WAY in speeds) == (greedy and bool(meta.get("lookup_model")))
         assert settled["decodes"] == max(speeds, key=speeds.get)
         faster = speeds[STATIC_WAY] > speeds[TREE_WAY]
         assert meta[STATIC_KEYS[greedy]] == (settled["static_tree"] if faster else None)
-        assert meta[LOOKUP_KEYS[greedy]] == (settled["decodes"] == LOOKUP_WAY)
+        assert meta[LOOKUP_KEYS[greedy]] == (settled["decodes"] in (LOOKUP_WAY, CONFIDENCE_WAY))
+        assert (greedy and meta["confidence_tree"] is not None) == \
+            (settled["decodes"] == CONFIDENCE_WAY)
     for family in set(summary["families"]) - {metrics["winner"]}:
         assert "settled" not in read_stop_model(other.out / f"{family}.pt")[1]
     assert export(config.model_copy(update={"out": tmp_path / "far", "metrics": tmp_path / "f.json",

@@ -17,7 +17,8 @@ import torch
 import yaml
 
 from specstop.decoder.policy import exported_lookup_branch
-from specstop.decoder.stop_model import LOOKUP_WAY, STATIC_WAY, TREE_WAY, load_stop_model
+from specstop.decoder.stop_model import (CONFIDENCE_WAY, LOOKUP_WAY, STATIC_WAY, TREE_WAY,
+                                         load_stop_model)
 from specstop.models import settle
 from specstop.pipeline.params import read_params_file
 from specstop.pipeline.stage_record import read_records
@@ -86,10 +87,11 @@ def test_repro_ends_with_stop_model_metrics_plots_and_runs(smoke: Path):
     assert bench["summary"]["sampling"]["best_static"] == "static-tree"
     assert bench["summary"]["sampling"]["winner_vs_best_static"]["ratio"] > 0
     settled = json.loads((smoke / "metrics/export.json").read_text())["settled"] or {}
-    shapes = json.loads((smoke / "data/train/summary.json").read_text())["static_shapes"]
+    summary = json.loads((smoke / "data/train/summary.json").read_text())
     config = read_params_file(smoke / "params.yaml")["export"]["settle"]
     contested = {settle.MODES[greedy] for greedy in settle.contested(
-        policy.meta, shapes, config["margin"], config.get("lookup", True))}
+        policy.meta, summary["static_shapes"], config["margin"], config.get("lookup", True),
+        summary["confidence_tree_rule"])}
     assert set(settled) == contested and settled == policy.meta.get("settled", {})
     for greedy, mode in settle.MODES.items():  # the measured fastest way
         if mode not in settled:
@@ -102,8 +104,10 @@ def test_repro_ends_with_stop_model_metrics_plots_and_runs(smoke: Path):
             assert (greedy in policy.static_shapes) == faster
             assert bench["setup"]["winner_static_tree"][mode] == (
                 settled[mode]["static_tree"] if faster else None)
-        chain = settled[mode]["decodes"] == LOOKUP_WAY
+        chain = settled[mode]["decodes"] in (LOOKUP_WAY, CONFIDENCE_WAY)
         assert exported_lookup_branch(policy, greedy) == chain
+        confidence = settled[mode]["decodes"] == CONFIDENCE_WAY  # greedy only: its way there
+        assert (greedy and policy.confidence_tree is not None) == confidence
         assert bench["setup"]["winner_method"][mode] == (
             "tree+stop_model+lookup" if chain else "tree+stop_model")
     assert bench["summary"]["winner"] == bench["setup"]["winner_method"]["greedy"]
