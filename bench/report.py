@@ -435,6 +435,9 @@ def stages_markdown(records: dict[str, dict]) -> str:
             "| stage | minutes | achieved |", "|---|---|---|"]
     for name, r in records.items():
         done = ", ".join(f"{k} {_short(v)}" for k, v in r["achieved"].items())
+        if r.get("sizes", {}).get("scale", 1) < 1:
+            done += (f" (sizes x{r['sizes']['scale']:g}: the target's step "
+                     f"{r['sizes']['step_ms']:g} ms)")
         rows.append(f"| {name} | {r['seconds'] / 60:.1f} | {done} |")
     return "\n".join(rows) + "\n"
 

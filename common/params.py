@@ -90,6 +90,15 @@ class CostsConfig(Section):
     repeats: PosInt = 15
 
 
+class SizesConfig(Section):
+    """The size-bound counts scaled to the machine (`pipeline/sizes.py`): by
+    full_until_step_ms / the target's measured step where that is slower, never below
+    min_scale; None: the counts as written on every machine."""
+
+    full_until_step_ms: PosFloat | None = None
+    min_scale: UnitFraction = 0.25
+
+
 class TreeConfig(Section):
     """How a round drafts and verifies: the options `decode` and `collect` share."""
 
@@ -396,6 +405,7 @@ class Params(Section):
 
     models: ModelsConfig = ModelsConfig()
     costs: CostsConfig = CostsConfig()
+    sizes: SizesConfig = SizesConfig()
     decode: DecodeParams = DecodeParams()
     prompts: PromptsConfig = PromptsConfig()
     draft: DraftConfig = DraftConfig()

@@ -56,6 +56,7 @@ LOOKUP_KEYS = {True: "lookup_branch", False: "sampling_lookup_branch"}  # by gre
 TREE_WAY, STATIC_WAY, LOOKUP_WAY = "tree", "static tree", "tree with the lookup branch"  # the
 # ways the settle decodes (`settled[mode].vs_replay`'s keys), and greedy the confidence tree's:
 CONFIDENCE_WAY = "confidence tree with the lookup branch"  # the draft's confidence, no model
+BRANCH_WAYS = (LOOKUP_WAY, CONFIDENCE_WAY)  # the ways that decode the lookup branch
 
 
 def read_stop_model(path: Path) -> tuple[torch.jit.ScriptModule, dict]:

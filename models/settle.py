@@ -27,8 +27,8 @@ import torch
 from specstop.decoder.methods import DecodeConfig
 from specstop.decoder.runtime import Runtime
 from specstop.decoder.sampling import Sampling
-from specstop.decoder.stop_model import (CONFIDENCE_WAY, LOOKUP_KEYS, LOOKUP_WAY, STATIC_KEYS,
-                                         STATIC_WAY, TREE_WAY, LearnedPolicy)
+from specstop.decoder.stop_model import (BRANCH_WAYS, CONFIDENCE_WAY, LOOKUP_KEYS, LOOKUP_WAY,
+                                         STATIC_KEYS, STATIC_WAY, TREE_WAY, LearnedPolicy)
 from specstop.evaluation.intervals import Ratio, speed_ratio
 from specstop.evaluation.side_by_side import bench_methods, decoder_method
 
@@ -131,7 +131,7 @@ def settle(module: torch.jit.ScriptModule, meta: dict, shapes: dict[str, dict | 
         if contest.static is not None:
             static_wins = speeds[STATIC_WAY].ratio > speeds[TREE_WAY].ratio
             out[static_key] = static if static_wins else None
-        out[lookup_key] = decodes in (LOOKUP_WAY, CONFIDENCE_WAY)
+        out[lookup_key] = decodes in BRANCH_WAYS
         if greedy:
             out["confidence_tree"] = contest.confidence if decodes == CONFIDENCE_WAY else None
         settled[MODES[greedy]] = {

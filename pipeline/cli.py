@@ -18,6 +18,7 @@ from specstop.decoder.loop import DecodeConfig
 from .decode_args import positive_int, with_flags
 from .outputs import check_outputs
 from .params import DEFAULT_PARAMS, checked_params, read_params_file
+from .sizes import sized
 from .stage_record import read_records, timed_stage
 
 
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in STAGES:  # each stage is the module of its name: run(params)
             stage = importlib.import_module(f".{args.command}", __package__)
             check_outputs(args.command, params)  # writable, before any work
-            timed_stage(args.command, lambda: stage.run(params))
+            params, scaled = sized(args.command, params)
+            timed_stage(args.command, lambda: stage.run(params), scaled)
         elif args.command == "generate":
             _generate(args, with_flags(params, args, str(path)))
         elif args.command == "workspace":

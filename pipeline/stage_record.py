@@ -20,16 +20,19 @@ from specstop.decoder import load
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # the ones that decide kernels and dtype
 
 
-def timed_stage(stage: str, run: Callable[[], dict | None], folder: Path = STAGE_METRICS) -> None:
-    """Run a stage and write its record; under torchrun only rank 0 writes (after every rank's
-    work: the stages end with a barrier)."""
+def timed_stage(stage: str, run: Callable[[], dict | None], sizes: dict | None = None,
+                folder: Path = STAGE_METRICS) -> None:
+    """Run a stage and write its record, with `sizes` (its counts as scaled to the machine,
+    `pipeline.sizes`) where given; under torchrun only rank 0 writes (after every rank's work:
+    the stages end with a barrier)."""
     start = time.perf_counter()
     achieved = run() or {}
     if os.environ.get("RANK", "0") != "0":
         return
     write_json(Path(folder) / f"{stage}.json",
                {"stage": stage, "seconds": round(time.perf_counter() - start, 1),
-                "achieved": achieved, "machine": machine()})
+                "achieved": achieved, **({"sizes": sizes} if sizes else {}),
+                "machine": machine()})
 
 
 def machine() -> dict:

@@ -18,9 +18,9 @@ from specstop.common.params import ExportConfig, SettleConfig
 from specstop.decoder.costs import CostCurve, CostModel
 from specstop.decoder.loop import DecodeConfig
 from specstop.decoder.policy import ConfidenceThreshold, FixedDepth, decoding_rule
-from specstop.decoder.stop_model import (CONFIDENCE_WAY, LOOKUP_KEYS, LOOKUP_WAY, STATIC_KEYS,
-                                        STATIC_WAY, TREE_WAY, LearnedPolicy, load_stop_model,
-                                        read_stop_model)
+from specstop.decoder.stop_model import (BRANCH_WAYS, CONFIDENCE_WAY, LOOKUP_KEYS, LOOKUP_WAY,
+                                        STATIC_KEYS, STATIC_WAY, TREE_WAY, LearnedPolicy,
+                                        load_stop_model, read_stop_model)
 from specstop.decoder.tree_rule import TreeRule
 from specstop.features import FEATURES, SCHEMA_VERSION, feature_index
 from specstop.drafts.loading import load_runtime
@@ -429,7 +429,7 @@ def test_a_close_replay_is_settled_in_the_exported_file(exported, tmp_path, tiny
         assert settled["decodes"] == max(speeds, key=speeds.get)
         faster = speeds[STATIC_WAY] > speeds[TREE_WAY]
         assert meta[STATIC_KEYS[greedy]] == (settled["static_tree"] if faster else None)
-        assert meta[LOOKUP_KEYS[greedy]] == (settled["decodes"] in (LOOKUP_WAY, CONFIDENCE_WAY))
+        assert meta[LOOKUP_KEYS[greedy]] == (settled["decodes"] in BRANCH_WAYS)
         assert (greedy and meta["confidence_tree"] is not None) == \
             (settled["decodes"] == CONFIDENCE_WAY)
     for family in set(summary["families"]) - {metrics["winner"]}:

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from specstop.decoder.policy import exported_lookup_branch
-from specstop.decoder.stop_model import (CONFIDENCE_WAY, LOOKUP_WAY, STATIC_WAY, TREE_WAY,
+from specstop.decoder.stop_model import (BRANCH_WAYS, CONFIDENCE_WAY, STATIC_WAY, TREE_WAY,
                                          load_stop_model)
 from specstop.models import settle
 from specstop.pipeline.params import read_params_file
@@ -104,7 +104,7 @@ def test_repro_ends_with_stop_model_metrics_plots_and_runs(smoke: Path):
             assert (greedy in policy.static_shapes) == faster
             assert bench["setup"]["winner_static_tree"][mode] == (
                 settled[mode]["static_tree"] if faster else None)
-        chain = settled[mode]["decodes"] in (LOOKUP_WAY, CONFIDENCE_WAY)
+        chain = settled[mode]["decodes"] in BRANCH_WAYS
         assert exported_lookup_branch(policy, greedy) == chain
         confidence = settled[mode]["decodes"] == CONFIDENCE_WAY  # greedy only: its way there
         assert (greedy and policy.confidence_tree is not None) == confidence

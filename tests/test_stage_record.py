@@ -31,7 +31,7 @@ def avx2_cpu(tmp_path, monkeypatch):
 
 
 def test_a_stage_writes_its_seconds_achievements_and_machine(tmp_path, avx2_cpu):
-    stage_record.timed_stage("collect", lambda: {"prompts": 8, "rows": 120}, tmp_path)
+    stage_record.timed_stage("collect", lambda: {"prompts": 8, "rows": 120}, folder=tmp_path)
     record = json.loads((tmp_path / "collect.json").read_text())
     assert record["stage"] == "collect" and record["seconds"] >= 0
     assert record["achieved"] == {"prompts": 8, "rows": 120}
@@ -42,10 +42,10 @@ def test_a_stage_writes_its_seconds_achievements_and_machine(tmp_path, avx2_cpu)
 
 def test_only_rank_zero_writes_under_torchrun(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
-    stage_record.timed_stage("collect", lambda: None, tmp_path)
+    stage_record.timed_stage("collect", lambda: None, folder=tmp_path)
     assert not (tmp_path / "collect.json").exists()
     monkeypatch.setenv("RANK", "0")
-    stage_record.timed_stage("collect", lambda: None, tmp_path)
+    stage_record.timed_stage("collect", lambda: None, folder=tmp_path)
     assert json.loads((tmp_path / "collect.json").read_text())["achieved"] == {}
 
 
@@ -54,13 +54,14 @@ def test_a_failed_stage_leaves_no_record(tmp_path):
         raise RuntimeError("stage failed")
 
     with pytest.raises(RuntimeError):
-        stage_record.timed_stage("train", fail, tmp_path)
+        stage_record.timed_stage("train", fail, folder=tmp_path)
     assert stage_record.read_records(tmp_path) == {}
 
 
 def test_the_readme_table_gives_minutes_per_stage_and_the_cpu(tmp_path, avx2_cpu):
-    stage_record.timed_stage("prepare", lambda: {"widths": 4}, tmp_path)
-    stage_record.timed_stage("bench", lambda: {"prompts": 24, "max_new_tokens": 64}, tmp_path)
+    stage_record.timed_stage("prepare", lambda: {"widths": 4}, folder=tmp_path)
+    stage_record.timed_stage("bench", lambda: {"prompts": 24, "max_new_tokens": 64},
+                             folder=tmp_path)
     records = stage_record.read_records(tmp_path)
     records["bench"]["seconds"] = 480.0
     text = stages_markdown(records)
@@ -70,12 +71,24 @@ def test_the_readme_table_gives_minutes_per_stage_and_the_cpu(tmp_path, avx2_cpu
     assert stages_markdown({}) == ""
 
 
+def test_a_stage_scaled_to_the_machine_says_so_in_its_record_and_the_table(tmp_path, avx2_cpu):
+    sizes = {"scale": 0.452, "step_ms": 53.1, "counts": {"bench.prompts": 11}}
+    stage_record.timed_stage("bench", lambda: {"prompts": 11}, sizes, folder=tmp_path)
+    stage_record.timed_stage("train", lambda: {"rows": 3}, folder=tmp_path)
+    records = stage_record.read_records(tmp_path)
+    assert records["bench"]["sizes"] == sizes and "sizes" not in records["train"]
+    text = stages_markdown(records)
+    assert "| prompts 11 (sizes x0.452: the target's step 53.1 ms) |" in text
+    assert "| rows 3 |" in text
+
+
 def test_the_default_is_budgeted_and_full_keeps_the_old_sizes():
     """The default runs fewer, shorter decodes than `full` but is still a sound experiment:
     both domains in the bench with at least 24 test prompts, the compact peer draft kept."""
     raw = read_params_file(ROOT / "params.yaml")
     default, full = validate(raw), validate(apply_profile(raw, "full"))
-    assert default.bench.prompts >= 24
+    assert default.bench.prompts >= 24 and default.sizes.full_until_step_ms is not None
+    assert full.sizes.full_until_step_ms is None
     assert set(default.draft.domains) == {"humaneval", "magpie", "magpie-draft"}
     assert default.collect.max_prompts < full.collect.max_prompts
     assert default.bench.max_new_tokens < full.bench.max_new_tokens == 128
