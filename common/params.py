@@ -428,11 +428,13 @@ def validate(raw: dict[str, Any], source: str = "params.yaml") -> Params:
 
 def with_overrides(params: Params, source: str, **sections: dict[str, Any]) -> Params:
     """`params` with some keys of some sections replaced (CLI flags: `--max-new-tokens 8` is
-    `decode={"max_new_tokens": 8}`), checked as the file is; errors name the flag."""
+    `decode={"max_new_tokens": 8}`; nested mappings merge key by key, as a profile's:
+    `export={"settle": {"prompts": 8}}`), checked as the file is; errors name the flag."""
     raw = params.model_dump(exclude={PROFILES}, exclude_unset=True)
     for name, values in sections.items():
-        raw[name] = {**raw.get(name, {}), **values}
-    flags = {(name, key) for name, values in sections.items() for key in values}
+        raw[name] = _merge(raw.get(name, {}), values)
+    flags = {(name, key) for name, values in sections.items() for key, value in values.items()
+             if not isinstance(value, dict)}  # a nested mapping's errors name its keys
     try:
         return Params.model_validate(raw)
     except ValidationError as err:

@@ -25,4 +25,4 @@ def run(params: Params) -> dict:
     print(f"{table.dtype} on {table.device} ({table.kernel}): "
           + " ".join(f"v({n})={table.curve.at(n):.2f}" for n in sorted(table.seconds)))
     return {"widths": len(table.seconds), "repeats": costs.repeats,
-            "step_ms": round(1000 * table.seconds[1], 2), "dtype": table.dtype}
+            "step_ms": round(1000 * table.curve.step, 2), "dtype": table.dtype}

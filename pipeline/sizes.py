@@ -8,10 +8,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import BaseModel
-
 from specstop.common.errors import SpecstopError
-from specstop.common.params import Params
+from specstop.common.params import Params, with_overrides
 from specstop.decoder.costs import VerifyCosts
 
 SCALED = {  # stage -> its size-bound counts (dotted keys of params.yaml)
@@ -25,12 +23,11 @@ SCALED = {  # stage -> its size-bound counts (dotted keys of params.yaml)
 def size_scale(params: Params) -> tuple[float, float]:
     """The scale of the size-bound counts and the measured step (ms) it follows."""
     try:
-        step_ms = 1000 * VerifyCosts.load(params.costs.path).seconds[1]
+        step_ms = 1000 * VerifyCosts.load(params.costs.path).curve.step
     except SpecstopError as err:
         raise SpecstopError(f"{err}; the sizes follow its one-token step (run `specstop "
                             f"prepare` first, or set sizes.full_until_step_ms: null)") from None
-    full_until = params.sizes.full_until_step_ms
-    scale = 1.0 if full_until is None else min(1.0, full_until / step_ms)
+    scale = min(1.0, params.sizes.full_until_step_ms / step_ms)
     return round(max(scale, params.sizes.min_scale), 3), step_ms
 
 
@@ -42,8 +39,7 @@ def sized(stage: str, params: Params) -> tuple[Params, dict[str, Any] | None]:
     scale, step_ms = size_scale(params)
     written = {key: _get(params, key) for key in SCALED[stage]}
     counts = {key: n if n is None else max(1, round(n * scale)) for key, n in written.items()}
-    for key, n in counts.items():
-        params = _replace(params, key.split("."), n)
+    params = with_overrides(params, "sizes", **_nested(counts))
     if scale < 1 and os.environ.get("RANK", "0") == "0":  # once under torchrun
         print(f"sizes: the target's step took {step_ms:.1f} ms ({params.costs.path}), over "
               f"sizes.full_until_step_ms {params.sizes.full_until_step_ms:g}: counts x{scale:g} ("
@@ -51,14 +47,21 @@ def sized(stage: str, params: Params) -> tuple[Params, dict[str, Any] | None]:
     return params, {"scale": scale, "step_ms": round(step_ms, 1), "counts": counts}
 
 
-def _get(model: BaseModel, key: str) -> Any:
+def _get(params: Params, key: str) -> Any:
+    value: Any = params
     for name in key.split("."):
-        model = getattr(model, name)
-    return model
+        value = getattr(value, name)
+    return value
 
 
-def _replace(model: BaseModel, names: list[str], value: Any) -> BaseModel:
-    """A copy of the frozen `model` with the attribute at `names` set to `value`."""
-    head, *rest = names
-    new = value if not rest else _replace(getattr(model, head), rest, value)
-    return model.model_copy(update={head: new})
+def _nested(values: dict[str, Any]) -> dict[str, dict]:
+    """{"export.settle.prompts": 8} as sections of nested mappings: {"export": {"settle":
+    {"prompts": 8}}}."""
+    out: dict[str, dict] = {}
+    for key, value in values.items():
+        *path, last = key.split(".")
+        into = out
+        for name in path:
+            into = into.setdefault(name, {})
+        into[last] = value
+    return out

@@ -39,6 +39,14 @@ def test_flags_are_checked_and_named_as_flags():
         with_overrides(params, "p.yaml", models={"dtype": "fp8"})
 
 
+def test_overrides_merge_nested_sections_key_by_key():
+    params = validate({"export": {"settle": {"margin": 0.2, "prompts": 30}}})
+    settle = with_overrides(params, "p.yaml", export={"settle": {"prompts": 8}}).export.settle
+    assert (settle.prompts, settle.margin) == (8, 0.2)
+    with pytest.raises(SpecstopError, match=r"^p.yaml: export.settle.prompts: expected an integer >= 1"):
+        with_overrides(params, "p.yaml", export={"settle": {"prompts": 0}})
+
+
 def test_sections_are_frozen_and_unknown_keys_name_the_known_ones():
     params = validate({})
     with pytest.raises(Exception):

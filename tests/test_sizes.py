@@ -22,7 +22,7 @@ def params_on(tmp_path, step_ms: float | None, sizes: dict | None = None, **sect
 
 
 COUNTS = {"draft": {"max_prompts": 320}, "collect": {"max_prompts": 24, "overhead_prompts": 8},
-          "export": {"settle": {"prompts": 48}}, "bench": {"prompts": 24}}
+          "export": {"settle": {"prompts": 48, "margin": 0.2}}, "bench": {"prompts": 24}}
 
 
 def test_a_machine_within_the_step_runs_the_counts_as_written(tmp_path):
@@ -43,6 +43,7 @@ def test_a_slower_machine_scales_every_count_of_the_stage_by_the_ratio(tmp_path,
     assert (draft.draft.max_prompts, export.export.settle.prompts, bench.bench.prompts) \
         == (160, 24, 12)
     assert collect.collect.max_depth == params.collect.max_depth  # the rest as written
+    assert export.export.settle.margin == 0.2  # a nested section's too
     assert bench.collect.max_prompts == 24  # a stage scales its own counts only
     assert "counts x0.5 (collect.max_prompts 24 -> 12, collect.overhead_prompts 8 -> 4)" \
         in capsys.readouterr().out
