@@ -43,7 +43,8 @@ def test_overrides_merge_nested_sections_key_by_key():
     params = validate({"export": {"settle": {"margin": 0.2, "prompts": 30}}})
     settle = with_overrides(params, "p.yaml", export={"settle": {"prompts": 8}}).export.settle
     assert (settle.prompts, settle.margin) == (8, 0.2)
-    with pytest.raises(SpecstopError, match=r"^p.yaml: export.settle.prompts: expected an integer >= 1"):
+    with pytest.raises(SpecstopError,
+                       match=r"^p.yaml: export.settle.prompts: expected an integer >= 1"):
         with_overrides(params, "p.yaml", export={"settle": {"prompts": 0}})
 
 
