@@ -138,8 +138,9 @@ def _method(result: MethodResult, n: int, greedy: bool) -> dict:
 
 def _sampling_summary(inputs: Inputs, sampling: dict) -> dict:
     """The exported policy under sampling against `ar` and the fastest static method sampled,
-    and its tree with the lookup chain against it and that static method, overall and per
-    domain (None where the sampling run lacks them)."""
+    its rounds against its replay (and its tree's without the lookup chain, which the sampled
+    replay does not price), and its tree with the lookup chain against it and that static
+    method, overall and per domain (None where the sampling run lacks them)."""
     static = [name for name in STATIC if name in sampling]
     best = max(static, key=lambda name: sampling[name]["tokens_per_s"]) if static else None
     name = inputs.winners["sampling"]
@@ -154,6 +155,8 @@ def _sampling_summary(inputs: Inputs, sampling: dict) -> dict:
             "winner_vs_ar": _speedup(winner) if winner else None,
             "winner_measured_over_simulated": winner.get("measured_over_simulated")
             if winner else None,
+            "tree_measured_over_simulated": sampling.get(EXPORTED, {}).get(
+                "measured_over_simulated"),
             "lookup_tree_vs_winner": by(EXPORTED_LOOKUP, EXPORTED),
             "lookup_tree_vs_best_static": by(EXPORTED_LOOKUP, best),
             "lookup_tree_vs_ar": _speedup(sampling[EXPORTED_LOOKUP])
@@ -353,12 +356,14 @@ def claims(metrics: dict) -> list[str]:
                 ("hf_prompt_lookup_vs_ar", f"`{HF_LOOKUP}` vs `ar`")) if lookup.get(key)))
     sampled = s.get("sampling") or {}
     if sampled.get("winner_vs_best_static") is not None:
-        replayed = sampled.get("winner_measured_over_simulated")
+        replayed, tree = (sampled.get("winner_measured_over_simulated"),
+                          sampled.get("tree_measured_over_simulated"))
+        replay = (f"; its rounds vs its replay {replayed:.2f}" if replayed is not None else
+                  f"; `{EXPORTED}`'s rounds vs its replay {tree:.2f}" if tree is not None else "")
         lines.append(f"sampling: exported policy ({sampled.get('winner')}) vs the best static "
                      f"method sampled "
                      f"({sampled['best_static']}): {_ci(sampled['winner_vs_best_static'])}; "
-                     f"vs ar {_ci(sampled['winner_vs_ar'])}"
-                     + ("" if replayed is None else f"; its rounds vs its replay {replayed:.2f}"))
+                     f"vs ar {_ci(sampled['winner_vs_ar'])}{replay}")
     if sampled.get("lookup_tree_vs_winner") is not None:
         lines.append(f"sampling: `{EXPORTED_LOOKUP}` vs `{EXPORTED}` "
                      f"{_by_domain(sampled['lookup_tree_vs_winner'])}; vs the best static method "

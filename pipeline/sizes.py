@@ -14,7 +14,9 @@ from specstop.decoder.costs import VerifyCosts
 
 SCALED = {  # stage -> its size-bound counts (dotted keys of params.yaml)
     "draft": ("draft.max_prompts",),
-    "collect": ("collect.max_prompts", "collect.overhead_prompts"),
+    "collect": ("collect.max_prompts",),  # not overhead_prompts: a prompt's round overhead
+    # spreads widely (a greedy tree round's 0.03-0.59 ar steps over 8 val prompts in fp32), and
+    # the mean of 3 over 0.07-0.38 (README, Collect)
     "export": ("export.settle.prompts",),
     "bench": ("bench.prompts",),
 }

@@ -249,6 +249,29 @@ def test_the_summary_names_the_method_that_decodes_the_file_its_own_way():
     assert sampling["winner_vs_best_static"]["ratio"] == pytest.approx(0.8 / 0.7)
 
 
+def test_a_sampled_winner_the_replay_does_not_price_reports_its_trees_replay_instead():
+    """Sampled, the lookup branch has no replay: the winner's rounds-vs-replay is null, and the
+    summary and its claim give the exported tree's, which has one."""
+    results = {"sampling": [MethodResult(name, DecodeStats(), per_prompt=[
+        DecodeStats(new_tokens=40, target_calls=21, seconds=s * f) for s in (1.0, 1.1)],
+        identical=[True] * 2, logprobs=[0.0] * 2)
+        for name, f in (("ar", 1.0), ("static-tree", 0.8), ("tree+stop_model", 0.8),
+                        ("tree+stop_model+lookup", 0.7))]}
+    winners = {"greedy": "tree+stop_model", "sampling": "tree+stop_model+lookup"}
+    inputs = bench_report.Inputs(results, ["a", "b"], ["code"] * 2, None,
+                                 {"sampling": {"tree+stop_model": 1.5}}, 100, 0, winners)
+    sampling = bench_report._sampling_summary(inputs, bench_report._mode(inputs, "sampling"))
+    assert sampling["winner_measured_over_simulated"] is None
+    assert sampling["tree_measured_over_simulated"] == pytest.approx(1.25 / 1.5)
+    metrics = {"summary": {"winner": "tree+stop_model", "best_static": "static-tree",
+                           "winner_vs_best_static": None, "winner_vs_ar": None,
+                           "winner_vs_sd": None, "hf_assisted_best": None, "prompts": 2,
+                           "prompts_per_domain": {"code": 2}, "aa_noise": None,
+                           "max_divergence_gap": None, "sampling": sampling}}
+    assert any(line.endswith("`tree+stop_model`'s rounds vs its replay 0.83")
+               for line in bench_report.claims(metrics))
+
+
 def test_a_tuned_threshold_at_infinity_is_the_probability_it_means():
     """The replay's "never stop" / "stop after a level" (-inf / +inf) run as 0 / 1."""
     assert [bench._probability(t) for t in (-math.inf, 0.3, math.inf)] == [0.0, 0.3, 1.0]

@@ -38,15 +38,14 @@ def test_a_slower_machine_scales_every_count_of_the_stage_by_the_ratio(tmp_path,
     collect, record = sized("collect", params)
     export, _ = sized("export", params)
     bench, _ = sized("bench", params)
-    assert record == {"scale": 0.5, "step_ms": 48.0,
-                      "counts": {"collect.max_prompts": 12, "collect.overhead_prompts": 4}}
+    assert record == {"scale": 0.5, "step_ms": 48.0, "counts": {"collect.max_prompts": 12}}
     assert (draft.draft.max_prompts, export.export.settle.prompts, bench.bench.prompts) \
         == (160, 24, 12)
-    assert collect.collect.max_depth == params.collect.max_depth  # the rest as written
+    assert (collect.collect.max_depth, collect.collect.overhead_prompts) == (
+        params.collect.max_depth, 8)  # the rest as written: the round overhead's prompts too
     assert export.export.settle.margin == 0.2  # a nested section's too
     assert bench.collect.max_prompts == 24  # a stage scales its own counts only
-    assert "counts x0.5 (collect.max_prompts 24 -> 12, collect.overhead_prompts 8 -> 4)" \
-        in capsys.readouterr().out
+    assert "counts x0.5 (collect.max_prompts 24 -> 12)" in capsys.readouterr().out
 
 
 def test_the_scale_has_a_floor_and_every_count_keeps_one_prompt(tmp_path):
