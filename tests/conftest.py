@@ -10,17 +10,19 @@ from pathlib import Path
 
 # Under pytest-xdist each worker gets one core: one torch thread here and in every subprocess
 # (set before torch is imported); two threads per worker would fight over two cores.  Each
-# worker is also pinned to a core of its own, which its subprocesses inherit, so that what
-# sizes its threads by the cores it may use (collect's cost model: `_all_cores`) takes one, not
-# two that the other worker keeps busy.
+# worker is also pinned to an equal share of the cores (one each on two), which its
+# subprocesses inherit, so that what sizes its threads or processes by the cores it may use
+# (collect's cost model: `_all_cores`) does not take the other worker's.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:
     for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(variable, "1")
     CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    SHARE = len(CORES) // WORKERS
     WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...; "" in the controller
-    if WORKER and len(CORES) >= WORKERS:
-        os.sched_setaffinity(0, {CORES[int(WORKER[2:]) % len(CORES)]})
+    if WORKER and SHARE:
+        INDEX = int(WORKER.removeprefix("gw"))
+        os.sched_setaffinity(0, set(CORES[INDEX * SHARE:(INDEX + 1) * SHARE]))
 
 import pyarrow as pa
 import pyarrow.parquet as pq
