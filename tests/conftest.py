@@ -14,15 +14,22 @@ from pathlib import Path
 # subprocesses inherit, so that what sizes its threads or processes by the cores it may use
 # (collect's cost model: `_all_cores`) does not take the other worker's.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
+def pin_worker(worker: str, workers: int) -> None:
+    """Pin xdist worker `worker` (gw0, gw1, ...; "" in the controller: nothing) to its equal
+    share of the cores this process may use; nothing where there are fewer cores than workers."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    share = len(cores) // workers
+    if worker and share:
+        index = int(worker.removeprefix("gw"))
+        os.sched_setaffinity(0, set(cores[index * share:(index + 1) * share]))
+
+
 if WORKERS > 1:
     for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(variable, "1")
-    CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    SHARE = len(CORES) // WORKERS
-    WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...; "" in the controller
-    if WORKER and SHARE:
-        INDEX = int(WORKER.removeprefix("gw"))
-        os.sched_setaffinity(0, set(CORES[INDEX * SHARE:(INDEX + 1) * SHARE]))
+    pin_worker(os.environ.get("PYTEST_XDIST_WORKER", ""), WORKERS)
 
 import pyarrow as pa
 import pyarrow.parquet as pq
