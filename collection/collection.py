@@ -30,6 +30,7 @@ from specstop.decoder.runtime import Runtime
 from specstop.decoder.sampling import Sampling
 from specstop.prompts.splits import read_split
 
+from .processes import usable_cores
 from .rows import LOOKUP, RoundLogger, read_parts, write_part, write_schema
 
 STALE = "stale"  # parts logged under other settings are moved here, never deleted
@@ -126,7 +127,7 @@ def collect(runtime: Runtime, parts: list[Part], config: DecodeConfig, collect: 
     barrier(world)
     if rank == 0:
         threads = torch.get_num_threads()
-        torch.set_num_threads(_all_cores())  # costs as one decoding process sees them
+        torch.set_num_threads(usable_cores())  # costs as one decoding process sees them
         table = measure_costs(runtime.target, runtime.draft, tree_for(config),
                               verify_widths=verify_widths, step_widths=DYNAMIC_STEP_WIDTHS,
                               runtime_table=runtime_table)
@@ -164,14 +165,15 @@ def _round_overhead(runtime: Runtime, parts: list[Part], config: DecodeConfig,
 
 
 def _fingerprint(collect: CollectConfig, models: ModelsConfig) -> dict:
-    """What the logged rows depend on: the options, the models and the draft's files."""
+    """What the logged rows depend on: the options (not how many processes log them), the
+    models and the draft's files."""
     draft = Path(models.draft)
     files = sorted(f for f in draft.rglob("*") if f.is_file()) if draft.is_dir() else []
     digest = hashlib.sha256()
     for f in files:
         digest.update(f.relative_to(draft).as_posix().encode())
         digest.update(f.read_bytes())
-    return {"collect": collect.model_dump(mode="json", exclude={"overhead_prompts"}),
+    return {"collect": collect.model_dump(mode="json", exclude={"overhead_prompts", "processes"}),
             "models": models.model_dump(mode="json"), "draft_files": digest.hexdigest()}
 
 
@@ -213,11 +215,6 @@ def init_distributed() -> tuple[int, int]:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), world
-
-
-def _all_cores() -> int:
-    """Threads a lone decoding process would use (torchrun sets 1 per worker)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def process_device(device: str) -> str:

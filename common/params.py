@@ -265,6 +265,8 @@ class CollectConfig(TreeConfig):
     temperatures: list[Temperature] = Field([0.0], min_length=1)  # every prompt at each
     lookup_tokens: PosInt = 10  # the longest lookup chain logged per greedy round (the bench's
     # `prompt_lookup_tokens`: its `tree+stop_model+lookup` chains)
+    processes: PosInt | Literal["auto"] = "auto"  # `specstop collect --launch`'s torchrun
+    # workers; auto: one per GPU, else per usable core as memory allows (collection.processes)
     overhead_prompts: NonNegInt = 2  # val prompts decoded by `ar`, `tree` and a static tree to
     # time a drafted round's host work by kind (`decoder.overhead`); 0: none, nothing charged
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from specstop.common import paths
@@ -181,6 +181,21 @@ def load_model(source: str, dtype: torch.dtype = torch.float32, device: torch.de
         raise SpecstopError(f"{shown}: cannot load the model ({first_line(err)})") from err
     _check_loading_info(info, shown)
     return LoadedModel(model.to(device).eval(), tokenizer, source)
+
+
+def weight_bytes(source: str, dtype: torch.dtype, cache_dir: Path = DEFAULT_CACHE) -> int:
+    """The bytes of `source`'s parameters at `dtype`, counted from its config on the meta
+    device (no weights read)."""
+    location, kwargs, shown = _locate(source, cache_dir, check_model_folder)
+    try:
+        with _errors_only():
+            config = AutoConfig.from_pretrained(location, **kwargs)
+    except LOAD_ERRORS as err:
+        raise SpecstopError(f"{shown}: cannot read the model's config ({first_line(err)})") \
+            from err
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
 
 
 @contextmanager

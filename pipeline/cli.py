@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
 
     for stage, text in STAGES.items():
         sub.add_parser(stage, help=f"stage: {text}")
+    sub.choices["collect"].add_argument(
+        "--launch", action="store_true", help="run as collect.processes processes under "
+        "torchrun (auto: one per GPU, else per usable core, as many as the memory holds)")
 
     gen = sub.add_parser("generate", help="decode one prompt and print the text")
     gen.add_argument("--method", default=None, help=f"one of {', '.join(METHODS)}")
@@ -93,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in STAGES:  # each stage is the module of its name: run(params)
             stage = importlib.import_module(f".{args.command}", __package__)
             check_outputs(args.command, params)  # writable, before any work
+            if getattr(args, "launch", False):
+                stage.launch(params, args.params)  # becomes torchrun where that pays
             params, scaled = sized(args.command, params)
             timed_stage(args.command, lambda: stage.run(params), scaled)
         elif args.command == "generate":

@@ -1,16 +1,42 @@
 """Stage `collect`: the decision models' logged rounds and cost model
-(`specstop.collection.collection`), one process or several under `torchrun`; one run at a time
-per output folder (rank 0 holds its lock: a second run, or a second torchrun, fails at once)."""
+(`specstop.collection.collection`), one process or several under `torchrun` (`--launch` starts
+`collect.processes` of them: `collection.processes`); one run at a time per output folder
+(rank 0 holds its lock: a second run, or a second torchrun, fails at once)."""
 
+import os
+import sys
 from contextlib import nullcontext
+from pathlib import Path
+
+import torch
 
 from specstop.common.files import folder_lock
 from specstop.common.params import Params
 from specstop.decoder.costs import VerifyCosts
+from specstop.decoder.load import resolve_dtype, weight_bytes
 from specstop.decoder.runtime import decode_config
 from specstop.drafts.loading import load_runtime, require_draft
 from specstop.drafts.store import check_held_out
 from specstop.collection import collection
+from specstop.collection.processes import process_count, usable_cores
+
+
+def launch(params: Params, params_file: Path | None) -> None:
+    """`specstop collect --launch`: where `collect.processes` comes to more than one, this
+    process becomes torchrun starting that many workers of `specstop collect` (one thread each
+    of the usable cores' share on a CPU, unless OMP_NUM_THREADS says); it returns to run the
+    stage alone where it comes to one, or where it already is a torchrun worker."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    models = params.models
+    n = process_count(params.collect.processes, models.device, lambda: weight_bytes(
+        models.target, resolve_dtype(models.dtype, torch.device("cpu")), models.target_cache))
+    if n == 1:
+        return
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // n)))
+    cli = [*(["--params", str(params_file)] if params_file else []), "collect"]
+    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc_per_node={n}", "-m", "specstop.pipeline.cli", *cli])
 
 
 def run(params: Params) -> dict | None:

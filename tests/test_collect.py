@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -200,22 +199,22 @@ def test_a_typo_loses_no_row_and_other_settings_are_set_aside(tiny_target, tmp_p
 
 
 def test_two_torchrun_processes_equal_one(tiny_target, tmp_path):
+    """`--launch` with `collect.processes: 2` becomes torchrun with two workers, whose shards
+    are the rows of one process (`specstop collect` alone)."""
     single, double = tmp_path / "single", tmp_path / "double"
     for folder in (single, double):
         folder.mkdir()
         params = make_workdir(folder, tiny_target)
+        params["collect"]["processes"] = 2
         (folder / "params.yaml").write_text(__import__("yaml").safe_dump(params))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cli = ["-m", "specstop.pipeline.cli", "collect"]
-    subprocess.run([sys.executable, *cli], cwd=single, env=env, check=True, capture_output=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_addr", "127.0.0.1", "--master_port", str(port), *cli],
-                          cwd=double, env=env, capture_output=True, text=True)
+    cli = [sys.executable, "-m", "specstop.pipeline.cli", "collect"]
+    subprocess.run(cli, cwd=single, env=env, check=True, capture_output=True)
+    done = subprocess.run([*cli, "--launch"], cwd=double, env=env, capture_output=True,
+                          text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted_rows(single / "data" / "collect") == sorted_rows(double / "data" / "collect")
+    assert json.loads((double / "metrics" / "collect.json").read_text())["processes"] == 2
 
 
 @pytest.mark.parametrize("config", [DecodeConfig(method="sd", max_new_tokens=30, max_depth=4),
