@@ -138,9 +138,9 @@ def _method(result: MethodResult, n: int, greedy: bool) -> dict:
 
 def _sampling_summary(inputs: Inputs, sampling: dict) -> dict:
     """The exported policy under sampling against `ar` and the fastest static method sampled,
-    its rounds against its replay (and its tree's without the lookup chain, which the sampled
-    replay does not price), and its tree with the lookup chain against it and that static
-    method, overall and per domain (None where the sampling run lacks them)."""
+    its rounds against its replay (and its tree's without the lookup chain), and its tree with
+    the lookup chain against it and that static method, overall and per domain (None where the
+    sampling run lacks them)."""
     static = [name for name in STATIC if name in sampling]
     best = max(static, key=lambda name: sampling[name]["tokens_per_s"]) if static else None
     name = inputs.winners["sampling"]

@@ -202,9 +202,11 @@ def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
                  **{f"tree+{f}": _tree_speedup(p.meta) for f, p in families.items()},
                  **_lookup_speedups(train["replay"].get("lookup") or {}, family
                                     if winner.confidence_tree is None else "confidence_tree")}
-    sampled = (train["replay"].get("sampling") or {}).get("policies", {})
+    sampling = train["replay"].get("sampling") or {}
+    sampled = sampling.get("policies", {})
     simulated_sampling = {"static-tree": sampled.get("static_tree", {}).get("simulated_speedup"),
-                          report.EXPORTED: _tree_speedup(winner.meta, greedy=False)}
+                          report.EXPORTED: _tree_speedup(winner.meta, greedy=False),
+                          **_lookup_speedups(sampling.get("lookup") or {}, family)}
     peer, note = _peer_draft(config.assistant_draft, models.draft)
     measured = draft.get("drafts", {}).get(Path(peer).name, {}) if peer else {}
     return Plan(sd_gamma=sd_gamma, static_gamma=static_gamma,
@@ -225,7 +227,8 @@ def _plan(config: BenchConfig, models: ModelsConfig) -> Plan:
 def _lookup_speedups(lookup: dict, exported: str) -> dict[str, float]:
     """The replayed speeds of `tree+stop_model+lookup` (`exported`: the winner's family, or
     the confidence tree where the file decodes that with the lookup chain),
-    `tree+confidence+lookup` and `lookup` alone, where train replayed the logged chains."""
+    `tree+confidence+lookup` and `lookup` alone, where train replayed the logged chains
+    (greedy, or sampled: `lookup` alone is replayed greedy only)."""
     out, policies = {}, lookup.get("policies", {})
     for method, name in ((report.EXPORTED_LOOKUP, exported),
                          (report.CONFIDENCE_LOOKUP, "confidence_tree")):

@@ -31,7 +31,7 @@ from specstop.decoder.sampling import Sampling
 from specstop.prompts.splits import read_split
 
 from .processes import usable_cores
-from .rows import LOOKUP, RoundLogger, read_parts, write_part, write_schema
+from .rows import LOOKUP, LOOKUP_SCHEMA, RoundLogger, read_parts, write_part, write_schema
 
 STALE = "stale"  # parts logged under other settings are moved here, never deleted
 
@@ -70,9 +70,11 @@ DYNAMIC_STEP_WIDTHS = tuple(range(1, 9))  # draft step widths a dynamic tree may
 def collect_part(runtime: Runtime, part: Part, config: DecodeConfig, seed: int,
                  progress: tqdm, totals: DecodeStats, lookup_tokens: int) -> RoundLogger:
     """Decode every prompt of a part at its temperature with the policy 'draft to the maximum
-    depth'; greedy prompts also log each round's lookup chain of up to `lookup_tokens`."""
+    depth', logging the lookup chain of up to `lookup_tokens` below each round's root: greedy,
+    read off the text; sampled, verified beside the drafted tree."""
     logger, policy = RoundLogger(), FixedDepth(config.max_depth)
-    config = replace(config, sampling=Sampling(part.temperature, config.sampling.top_p))
+    config = replace(config, sampling=Sampling(part.temperature, config.sampling.top_p),
+                     lookup_branch=part.temperature > 0, lookup_tokens=lookup_tokens)
     for prompt_id, text in zip(part.prompt_ids, part.texts):
         logger.start(prompt_id, part.split, part.temperature)
         prompt = runtime.encode(text, chat=False, special_tokens=False)
@@ -119,8 +121,8 @@ def collect(runtime: Runtime, parts: list[Part], config: DecodeConfig, collect: 
     for part in todo:
         logger = collect_part(runtime, part, config, collect.seed, progress, totals,
                               collect.lookup_tokens)
-        if part.temperature == 0:  # before the part, whose file marks the part done
-            write_part(logger.lookup_table(), out / "parts" / LOOKUP / f"{part.name}.parquet")
+        # before the part, whose file marks the part done
+        write_part(logger.lookup_table(), out / "parts" / LOOKUP / f"{part.name}.parquet")
         write_part(logger.table(), out / "parts" / f"{part.name}.parquet")
     progress.close()
     elapsed = time.perf_counter() - start
@@ -174,7 +176,8 @@ def _fingerprint(collect: CollectConfig, models: ModelsConfig) -> dict:
         digest.update(f.relative_to(draft).as_posix().encode())
         digest.update(f.read_bytes())
     return {"collect": collect.model_dump(mode="json", exclude={"overhead_prompts", "processes"}),
-            "models": models.model_dump(mode="json"), "draft_files": digest.hexdigest()}
+            "models": models.model_dump(mode="json"), "draft_files": digest.hexdigest(),
+            "lookup_columns": LOOKUP_SCHEMA.names}
 
 
 def _summary(out: Path, parts: list, elapsed: float, world: int) -> dict:

@@ -16,7 +16,12 @@ root it is, -1 for none), its features (`decoder.lookup.LOOKUP_FEATURES`) and it
 off the text the prompt went on to (greedy decoding emits the target's arg-max whatever is
 proposed, so token j of a chain is accepted iff it and the tokens before it are the text's; -1
 after a rejection or past the text's end).  The rounds' chains are what a greedy `tree` round
-with a lookup branch adds; every token's, what `lookup` alone meets walking the text.
+with a lookup branch adds; every token's, what `lookup` alone meets walking the text.  Sampled
+rounds verify their chain beside the drafted tree (`decoder.lookup.with_chain`) and log it
+as it was tested, one row per token the tree holds, with `accept_after`: its chance of
+acceptance at its parent given that the parent was and the first k of the parent's drafted
+children were rejected before it, k = 0, 1, ... (`decoder.verify.chain_acceptance`; label -1,
+`text_tokens` -1; greedy rows: an empty list).
 """
 
 from __future__ import annotations
@@ -60,10 +65,12 @@ LABEL_COLUMNS = [
 ROW_SCHEMA = pa.schema(ID_COLUMNS + [(f.name, pa.float32()) for f in FEATURES] + LABEL_COLUMNS,
                        metadata={"feature_schema_version": str(SCHEMA_VERSION)})
 LOOKUP_SCHEMA = pa.schema([("prompt_id", pa.string()), ("split", pa.string()),
-                           ("round", pa.int32()), ("emitted", pa.int32()),
-                           ("text_tokens", pa.int32()), ("token", pa.int32()), ("label", pa.int8()),
-                           *[(name, pa.float32()) for name in LOOKUP_FEATURES]])  # position
-# (1 = below the root) among them
+                           ("temperature", pa.float32()), ("round", pa.int32()),
+                           ("emitted", pa.int32()), ("text_tokens", pa.int32()),
+                           ("token", pa.int32()), ("label", pa.int8()),
+                           *[(name, pa.float32()) for name in LOOKUP_FEATURES],  # position
+                           # (1 = below the root) among them
+                           ("accept_after", pa.list_(pa.float32()))])
 LOOKUP = "lookup"  # the lookup rows' folder, inside `parts/`
 TOKENS_GENERATED = feature_index("tokens_generated")
 
@@ -103,6 +110,22 @@ class RoundLogger:
         c["accept_prob"] += record.accept_prob.tolist()
         c["p_target"] += record.p_target.tolist()
         c["q_draft"] += record.q_draft.tolist()
+        if record.chain_accept:
+            self._log_chain(record)
+
+    def _log_chain(self, record: RoundRecord) -> None:
+        """A sampled round's chain, as far as its tree holds it, with each token's
+        acceptances."""
+        k, c = len(record.chain_accept), self.lookup_columns
+        for name, value in [("prompt_id", self.prompt_id), ("split", self.split),
+                            ("temperature", self.temperature), ("round", record.round),
+                            ("emitted", int(record.features[0, TOKENS_GENERATED])),
+                            ("text_tokens", -1), ("label", -1)]:
+            c[name] += [value] * k
+        c["token"] += record.chain.tokens[:k]
+        for name, column in zip(LOOKUP_FEATURES, record.chain.features()[:k].T):
+            c[name] += column.tolist()
+        c["accept_after"] += [a.tolist() for a in record.chain_accept]
 
     def finish(self, prompt: list[int], text: list[int], chain_tokens: int, ngram: int) -> None:
         """Log the lookup chain below each token of the text of the prompt just decoded
@@ -123,6 +146,7 @@ class RoundLogger:
                 alive = hit
             c["prompt_id"] += [self.prompt_id] * k
             c["split"] += [self.split] * k
+            c["temperature"] += [0.0] * k
             c["round"] += [round_index] * k
             c["emitted"] += [emitted] * k
             c["text_tokens"] += [len(text)] * k
@@ -130,6 +154,7 @@ class RoundLogger:
             c["label"] += labels
             for name, column in zip(LOOKUP_FEATURES, match.features().T):
                 c[name] += column.tolist()
+            c["accept_after"] += [[]] * k
 
     def __len__(self) -> int:
         return len(self.columns["label"])

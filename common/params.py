@@ -263,8 +263,9 @@ class CollectConfig(TreeConfig):
     max_prompts: PosInt | None = None
     part_size: PosInt = 4  # prompts per Parquet part (the unit of resume and sharding)
     temperatures: list[Temperature] = Field([0.0], min_length=1)  # every prompt at each
-    lookup_tokens: PosInt = 10  # the longest lookup chain logged per greedy round (the bench's
-    # `prompt_lookup_tokens`: its `tree+stop_model+lookup` chains)
+    lookup_tokens: PosInt = 10  # the longest lookup chain logged per round (the bench's
+    # `prompt_lookup_tokens`: its `tree+stop_model+lookup` chains): greedy, read off the text;
+    # sampled, verified beside the superset
     processes: PosInt | Literal["auto"] = "auto"  # `specstop collect --launch`'s torchrun
     # workers; auto: one per GPU, else per usable core as memory allows (collection.processes)
     overhead_prompts: NonNegInt = 2  # val prompts decoded by `ar`, `tree` and a static tree to

@@ -24,6 +24,7 @@ class Proposal:
     q: torch.Tensor  # [size(depth - 1), V] draft distribution each node's children came from
     # (a zero row for a node that was not fed)
     features: tuple[torch.Tensor, ...]  # per drafted level d: [n_d, F] float32 draft features
+    # of its drafted nodes, in order (a lookup chain's nodes have none)
     fed: torch.Tensor  # [n] long, each node's index in the fed tree (the draft's cache), -1 if
     # it was not fed
     steps: int  # draft steps taken

@@ -31,7 +31,7 @@ from specstop.features import RoundContext, draft_features, feature_index
 
 from .contracts import Proposal
 from .drafter import Drafter, draft_level
-from .lookup import LookupBranch, with_lookup_branch
+from .lookup import LookupBranch, retrace, with_lookup_branch
 from .policy import TreePolicy, decoding_rule
 from .sampling import Sampling
 from .tree import Tree
@@ -215,15 +215,8 @@ class DraftedTree:
 
     def retrace(self, tokens: list[int]) -> list[int]:
         """The nodes (S indices) a path of `tokens` below the root follows while the draft
-        drafted them (greedy siblings are distinct); one read of the tokens on the host."""
-        child = {(int(p), t): i for i, (p, t) in enumerate(zip(self.parent, self.tokens.tolist()))}
-        path, node = [], 0
-        for token in tokens:
-            node = child.get((node, token))
-            if node is None:
-                break
-            path.append(node)
-        return path
+        drafted them (`lookup.retrace`); one read of the tokens on the host."""
+        return retrace(self.parent, self.tokens.tolist(), tokens)
 
     def candidates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`verify_set`'s view of the drafted nodes below the root [n - 1]: survival, parent

@@ -29,7 +29,7 @@ is what the runtime sees, whatever the policy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -167,16 +167,41 @@ def lookup_proposal(
                     fed=torch.full((1 + depth,), -1), steps=depth, drafted=depth)
 
 
+def retrace(parent: Sequence[int], tokens: Sequence[int], chain: Sequence[int]) -> list[int]:
+    """The nodes a path of `chain` tokens below node 0 follows while a tree (`parent` and
+    `tokens` per node) holds them; of siblings with one token, the last."""
+    child = {(int(p), int(t)): i for i, (p, t) in enumerate(zip(parent, tokens))}
+    path, node = [], 0
+    for token in chain:
+        node = child.get((node, token))
+        if node is None:
+            break
+        path.append(node)
+    return path
+
+
+def with_chain(tree: Tree, proposal: Proposal, chain: list[int]) -> tuple[Tree, Proposal]:
+    """A static tree's round with its lookup `chain` (collect's sampled rounds): the chain
+    follows the drafted nodes it retraces and the rest of it goes below the last of them (or
+    the root) as a branch of its own (`with_lookup_branch`), whole."""
+    n = proposal.tokens.shape[0]
+    path = retrace(tree.parent[:n].tolist(), proposal.tokens.tolist(), chain)
+    if len(path) == len(chain):
+        return tree, proposal
+    return with_lookup_branch(tree, proposal, chain[len(path):], path[-1] if path else 0)
+
+
 def with_lookup_branch(
     tree: Tree,
     proposal: Proposal,
     chain: list[int],  # >= 1 token
     below: int = 0,  # the node of `tree` the chain goes below
 ) -> tuple[Tree, Proposal]:
-    """`tree` rounds: `chain` below node `below` as one more branch, each of its nodes after
+    """`chain` below node `below` of a round's tree as one more branch, each of its nodes after
     its drafted siblings (so the tree stays in level-major order, children after their parents'
-    order).  Its nodes are not fed to the draft, carry no draft features and are marked as
-    proposed by a point mass (`Proposal.point`; their own q rows are one-hot)."""
+    order, and the other nodes keep theirs).  Its nodes are not fed to the draft, carry no draft
+    features (the drafted nodes keep theirs) and are marked as proposed by a point mass
+    (`Proposal.point`; their own q rows are one-hot)."""
     tokens = proposal.tokens
     n, c, vocab = tokens.shape[0], len(chain), proposal.q.shape[1]
     parent = np.concatenate([tree.parent[:n].numpy(), [below], n + np.arange(c - 1)])
@@ -204,5 +229,5 @@ def with_lookup_branch(
         point[:n] = proposal.point
     return merged, Proposal(tokens=torch.cat([tokens, chain_t])[order_t],
                             depth=merged.max_depth, root_position=proposal.root_position, q=q,
-                            features=(), fed=fed, steps=proposal.steps, drafted=proposal.drafted,
-                            point=point[order_t])
+                            features=proposal.features, fed=fed, steps=proposal.steps,
+                            drafted=proposal.drafted, point=point[order_t])

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
+import numpy as np
 import torch
 
 from specstop.features import RoundContext, root_statistics
@@ -32,13 +33,13 @@ from .contracts import Proposal, Scores, Verdict
 from .costs import CostCurve
 from .drafter import Drafter, draft_children
 from .kv import KVModel
-from .lookup import Lookup
-from .methods import (DecodeConfig, Round, round_method, with_confidence_tree,
+from .lookup import Lookup, LookupMatch
+from .methods import (DecodeConfig, Round, chain_tokens, round_method, with_confidence_tree,
                       with_static_fallback)
 from .policy import StoppingPolicy, TreePolicy
 from .sampling import Sampling, sample, warp
 from .tree import Tree
-from .verify import Support, acceptance, dynasd_select, verify_tree
+from .verify import Support, acceptance, chain_acceptance, dynasd_select, verify_tree
 
 ACCEPTED_EMA_DECAY = 0.5  # weight of the previous average in the accepted-length EMA
 
@@ -137,6 +138,10 @@ class RoundRecord:
     q_draft: torch.Tensor  # [n] draft probability of the token at its parent
     accept_prob: torch.Tensor  # [n] float32 exact P(accepted | parent accepted, earlier
     # siblings rejected) (`verify.acceptance`)
+    chain: LookupMatch | None = None  # with a lookup branch, the round's chain
+    chain_accept: tuple[np.ndarray, ...] = ()  # sampling: per chain token the tree holds,
+    # [K + 1] P(accepted at its parent | the parent was and the first k of its K drafted
+    # children were rejected before it) (`verify.chain_acceptance`)
 
 
 @dataclass(frozen=True)
@@ -181,7 +186,7 @@ def generate(
                                              or policy.reads_features)
     stats, out, start = DecodeStats(), [], time.perf_counter()
     proposes_lookup = method.looks_up or config.lookup_branch
-    if proposes_lookup and hook is not None:
+    if method.looks_up and hook is not None:
         raise ValueError("a lookup proposal has no draft features for the hook")
     lookup = Lookup(prompt.tolist(), config.lookup_ngram) \
         if proposes_lookup or with_features else None  # the features read its chain too
@@ -213,6 +218,8 @@ def generate(
                                 levels) if with_features else None
         gated = gate is not None and not gate.drafts(context, r[roots])
         round_ = Round(roots, r, target.length, levels, context)
+        chain = lookup.match(chain_tokens(round_, config)) \
+            if hook is not None and config.lookup_branch and root_committed else None
         round_tree, proposal, decision_seconds = \
             method.propose_gated(round_, policy, tree, lookup, config) if gated else \
             method.propose(round_, drafter, policy, tree, lookup, config, generator)
@@ -234,7 +241,7 @@ def generate(
                         len(verdict.path) - 1, decision_seconds, gated)
         if hook is not None and proposal.depth > 0:
             hook(_round_record(len(stats.accepted_per_round) - 1, round_tree, proposal, scores,
-                               verdict, config))
+                               verdict, config, chain))
         if verdict.next_dist is None or len(out) >= config.max_new_tokens:
             break
         r = verdict.next_dist
@@ -337,24 +344,34 @@ def _fed_path(proposal: Proposal, verdict: Verdict) -> torch.Tensor:
 
 
 def _round_record(index: int, tree: Tree, proposal: Proposal, scores: Scores,
-                  verdict: Verdict, config: DecodeConfig) -> RoundRecord:
-    """What the feature hook sees of round `index`: every drafted node of the verified tree."""
-    drafted = torch.arange(tree.roots, tree.size(proposal.depth))
+                  verdict: Verdict, config: DecodeConfig, chain: LookupMatch | None = None
+                  ) -> RoundRecord:
+    """What the feature hook sees of round `index`: every drafted node of the verified tree,
+    by its index and its parent's in the tree without the lookup branch (the static tree's),
+    and with a branch the round's `chain`, sampled with each token's acceptances."""
+    n = tree.size(proposal.depth)
+    point = torch.zeros(n, dtype=torch.bool) if proposal.point is None else proposal.point.cpu()
+    drafted = torch.arange(tree.roots, n)[~point[tree.roots:]]
+    own = torch.cumsum(~point, 0) - 1  # each node's index without the branch
     accept = acceptance(tree, proposal.depth, proposal.tokens, scores.p, proposal.q,
-                        config.sampling, config.without_replacement)
+                        config.sampling, config.without_replacement, proposal.point)
     parent = tree.parent[drafted]
     kids = proposal.tokens[drafted.to(proposal.tokens.device)]
     p, q = scores.p, proposal.q
+    chain_accept = () if chain is None or config.sampling.greedy else tuple(chain_acceptance(
+        tree, proposal.tokens, p, q, proposal.point, chain.tokens, config.without_replacement))
     return RoundRecord(
         round=index,
         tokens=kids.cpu(),
         depth=tree.depth[drafted],
-        parent=parent,
-        node=drafted,
+        parent=own[parent],
+        node=own[drafted],
         branch=tree.branch[drafted],
         features=torch.cat(proposal.features).cpu(),  # joined for logging only
         labels=verdict.labels.cpu()[drafted],
         p_target=p[parent.to(p.device), kids].float().cpu(),
         q_draft=q[parent.to(q.device), kids].float().cpu(),
         accept_prob=accept.float().cpu()[drafted],
+        chain=chain,
+        chain_accept=chain_accept,
     )

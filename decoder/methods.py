@@ -9,7 +9,8 @@ loop (`loop.py`) compares no method names:
 - the policy it takes, its round gate and its depth cap (`depth_cap`: the deepest level a round
   proposes below its roots, before the budget);
 - how a round proposes (`propose`): the root alone (`ar`), the static tree level by level
-  while the stopping policy goes on, the dynamic tree (`dynamic.propose_tree`, with the lookup
+  while the stopping policy goes on (with `lookup_branch` the round's whole lookup chain beside
+  it, as collect verifies its sampled rounds), the dynamic tree (`dynamic.propose_tree`, with the lookup
   chain as one more source with `lookup_branch`), the chain a look-up
   finds (`lookup.lookup_proposal`); and how a round the gate keeps from drafting proposes
   (`propose_gated`): the root alone, or in `tree` rounds with `lookup_branch` the root
@@ -35,7 +36,7 @@ from specstop.features import RoundContext, draft_features, feature_index
 from .contracts import Proposal
 from .drafter import Drafter, draft_level
 from .dynamic import propose_chain, propose_tree
-from .lookup import Lookup, LookupBranch, lookup_branch, lookup_proposal
+from .lookup import Lookup, LookupBranch, lookup_branch, lookup_proposal, with_chain
 from .policy import ConfidenceTree, FixedDepth, StoppingPolicy, TreePolicy, static_shape
 from .round_gate import RoundGate
 from .sampling import Sampling
@@ -59,18 +60,23 @@ class DecodeConfig:
     without_replacement: bool = True
     lookup_ngram: int = 2  # lookup: the longest n-gram matched (then shorter ones, down to 1)
     lookup_branch: bool = False  # `tree`: the lookup chain as one more source of
-    # candidates (a round the gate keeps from drafting proposes it alone)
+    # candidates (a round the gate keeps from drafting proposes it alone); a static tree
+    # (collect's sampled rounds): the whole chain beside the drafted tree (`lookup.with_chain`)
+    lookup_tokens: int = 0  # the longest lookup branch (0: as deep as the round proposes)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
         if self.lossy and self.method != "ti-mcsd":
             raise ValueError("--lossy applies to ti-mcsd only")
-        if self.lookup_branch and self.method != "tree":
-            raise ValueError("a lookup branch (lookup_branch) joins method 'tree' only, not "
-                             f"'{self.method}'")
-        if self.max_new_tokens < 1 or self.max_depth < 1 or self.lookup_ngram < 1:
-            raise ValueError("max_new_tokens, max_depth and lookup_ngram must be >= 1")
+        if self.lookup_branch and (not round_method(self.method).drafts or self.lossy):
+            raise ValueError("a lookup branch (lookup_branch) joins a drafted tree (tree, sd, "
+                             f"mcsd, exact ti-mcsd), not '{self.method}'"
+                             f"{' --lossy' if self.lossy else ''}")
+        if self.max_new_tokens < 1 or self.max_depth < 1 or self.lookup_ngram < 1 \
+                or self.lookup_tokens < 0:
+            raise ValueError("max_new_tokens, max_depth and lookup_ngram must be >= 1, "
+                             "lookup_tokens >= 0")
         if self.max_depth > MAX_DEPTH:
             raise ValueError(f"max_depth must be <= {MAX_DEPTH}, got {self.max_depth}")
         if self.ti_width < 1 or any(k < 1 for k in self.mcsd_branching):
@@ -144,9 +150,13 @@ class RoundMethod:
     def propose(self, round: Round, drafter: Drafter | None, policy: StoppingPolicy | TreePolicy,
                 tree: Tree, lookup: Lookup | None, config: DecodeConfig,
                 generator: torch.Generator | None) -> Proposed:
-        """Draft `tree` (the method's largest) below the round's roots (`propose`)."""
+        """Draft `tree` (the method's largest) below the round's roots (`propose`), with
+        `lookup_branch` the round's whole lookup chain beside it (`lookup.with_chain`)."""
         proposal, decision_seconds = propose(drafter, tree.on(round.r.device), round, policy,
                                              config, generator)
+        chain = lookup.chain(chain_tokens(round, config)) if config.lookup_branch else []
+        if chain:
+            tree, proposal = with_chain(tree, proposal, chain)
         return Proposed(tree, proposal, decision_seconds)
 
     def propose_gated(self, round: Round, policy: StoppingPolicy | TreePolicy, tree: Tree,
@@ -253,8 +263,13 @@ class DynamicTree(RoundMethod):
     def _branch(round: Round, policy: TreePolicy, lookup: Lookup | None, config: DecodeConfig
                 ) -> LookupBranch | None:
         """The round's lookup chain with `lookup_branch`, else None."""
-        return lookup_branch(lookup, round.levels, policy.lookup_model) \
+        return lookup_branch(lookup, chain_tokens(round, config), policy.lookup_model) \
             if config.lookup_branch else None
+
+
+def chain_tokens(round: Round, config: DecodeConfig) -> int:
+    """The longest lookup branch a round proposes: `lookup_tokens`, else its levels."""
+    return config.lookup_tokens or round.levels
 
 
 ROUND_METHODS: dict[str, RoundMethod] = {

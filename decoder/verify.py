@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .contracts import Verdict
@@ -93,6 +94,7 @@ def acceptance(
     q: torch.Tensor,  # [size(depth-1), V] draft distributions each node's children came from
     sampling: Sampling,
     without_replacement: bool,
+    point: torch.Tensor | None = None,  # [n] bool: nodes from a point mass (a lookup chain's)
 ) -> torch.Tensor:
     """[n] float64 on the tokens' device: each node's exact probability of being accepted at its
     parent given that the parent was and its earlier siblings were not (roots: nan).  Greedy: 1
@@ -111,8 +113,47 @@ def acceptance(
     for node in torch.unique(parent[drafted]).tolist():
         kids = (parent == node).nonzero()[:, 0]
         thresholds, _ = _mcss_tests(p[node].double(), q[node].double(), tokens[kids],
-                                    torch.ones_like(kids, dtype=torch.bool), without_replacement)
+                                    torch.ones_like(kids, dtype=torch.bool), without_replacement,
+                                    None if point is None else point[kids])
         out[kids] = thresholds.nan_to_num(0.0).clamp_max(1.0)
+    return out
+
+
+def chain_acceptance(
+    tree: Tree,
+    tokens: torch.Tensor,  # [n] token ids of the verified tree
+    p: torch.Tensor,  # [n, V] target distributions after each node (sampling)
+    q: torch.Tensor,  # [size(depth-1), V] draft distributions each node's children came from
+    point: torch.Tensor | None,  # [n] bool: the lookup chain's own nodes
+    chain: list[int],  # the round's lookup chain below the root
+    without_replacement: bool,
+) -> list[np.ndarray]:
+    """For each token x of a lookup `chain` the tree holds (its first tokens as the drafted
+    nodes they retrace, the rest as point-mass nodes below the last of them: `lookup.retrace`,
+    `lookup.with_chain`), [K + 1] float64: its chance of acceptance at its parent A given that
+    A was accepted and the first k of A's K drafted children were tested and rejected before it,
+    k = 0..K (`mcss`: the residual they leave, then x from a point mass).  A tree that verifies
+    k of A's children and not x's own drafted node (if it has one) proposes x there, so these
+    score a lookup branch beside any sub-tree exactly (`replay.tree_replay`)."""
+    n = tokens.shape[0]
+    parent, host_tokens = tree.parent[:n].tolist(), tokens.tolist()
+    own = [False] * n if point is None else point.tolist()
+    out, node = [], 0
+    for x in chain:
+        kids = [i for i in range(n) if parent[i] == node]  # in rank order, the chain's last
+        follow = [i for i in kids if host_tokens[i] == x]
+        if not follow:
+            break
+        drafted = torch.tensor([host_tokens[i] for i in kids if not own[i]] + [x],
+                               device=tokens.device)
+        k = len(drafted) - 1
+        tests = [_mcss_tests(p[node].double(), q[node].double(), drafted[[*range(j), k]],
+                             torch.ones(j + 1, dtype=torch.bool, device=tokens.device),
+                             without_replacement,
+                             torch.arange(j + 1, device=tokens.device) == j)[0][-1]
+                 for j in range(k + 1)]
+        out.append(torch.stack(tests).nan_to_num(0.0).clamp_max(1.0).cpu().numpy())
+        node = follow[-1]  # the drafted node it retraces (the last of equal ones), or its own
     return out
 
 

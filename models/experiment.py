@@ -122,9 +122,9 @@ def run(config: StopTrainConfig, store: TrackingStore, tree_implementation: str 
         entries[family] = _family(family, dataset, bench, common)
     probabilities = _probabilities(bench, entries)
     trees = _trees(dataset, bench, probabilities)
-    sampling = _sampling_trees(config, bench, entries, config.sampling_temperature) \
+    sampling = _sampling_trees(config, bench, entries, trees, config.sampling_temperature) \
         if config.sampling_temperature else None
-    sampling_at = {f"{t:g}": _sampling_trees(config, bench, entries, t).metrics()
+    sampling_at = {f"{t:g}": _sampling_trees(config, bench, entries, trees, t).metrics()
                    for t in tqdm(config.replay_temperatures, desc="replay", unit="temperature")}
     ablation = _ablation(entries[trees.winner], dataset, bench, trees) if trees.winner else {}
     regimes = _regimes(config, bench, trees, probabilities)
@@ -183,16 +183,19 @@ def _reach(config: StopTrainConfig, trees: tree_report.TreeComparison,
 
 
 def _sampling_trees(config: StopTrainConfig, bench: Bench, entries: dict[str, Entry],
-                    temperature: float) -> tree_report.SamplingComparison:
+                    trees: tree_report.TreeComparison, temperature: float
+                    ) -> tree_report.SamplingComparison:
     """Every tree policy on the val rounds sampled at `temperature` (the same models: their p
-    as survival), each family's latency charged per draft step."""
+    as survival), each family's latency charged per draft step, and with the lookup chains
+    collect verified beside them (the lookup model `trees` fitted on the greedy chains)."""
     sampled = data.load(config.data, config.label, temperature)
     X = sampled.val.features
     charge = config.charge_decision_latency
     families = {f: (entries[f].model.predict_proba(X), entries[f].latency if charge else 0.0)
                 for f in config.families}
     return tree_report.compare_sampling(sampled.train.rows, sampled.val.rows, bench.costs,
-                                        confidence_score(X), families, temperature)
+                                        confidence_score(X), families, temperature,
+                                        read_lookup_rows(config.data), trees.lookup_model)
 
 
 def _ablation(entry: Entry, dataset: data.Dataset, bench: Bench,

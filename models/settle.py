@@ -4,8 +4,8 @@ replay cannot tell.
 The replay prices a round by the cost curves and the overhead collect timed, and between a
 static round and a tree's it errs by about as much as the two kinds differ on these CPUs: on
 the AMD host it ranked the static shape 0.5% above the learned tree where the bench measured
-the confidence tree 4.7% ahead of it (README, Results).  The tree with the prompt-lookup
-branch has no replay under sampling at all.  So in each mode (greedy, and sampled where the
+the confidence tree 4.7% ahead of it, and a later run measured the greedy tree with the
+prompt-lookup branch at 1.23x its replayed speed (README, Results).  So in each mode (greedy, and sampled where the
 export has a sampling rule) the winner is decoded on val prompts, in turn a prompt at a time
 (`evaluation.side_by_side.bench_methods`), as the replay chose beside each contender: the other
 kind where its tree and the best static shape replayed within `export.settle.margin` of each

@@ -102,23 +102,16 @@ class TreeComparison(Ranking):
         dynamic tree (`families`, the confidence tree) replayed with val's chains beside it,
         behind its round gate (a gated round proposes the chain alone, as the runtime's)."""
         model, fitted = lookup_model.fit(chains)
-        on_val = chains[chains["split"] == "val"]
+        on_val = chains[(chains["split"] == "val") & (chains["temperature"] == 0)]
         val = LookupChains.from_rows(on_val, self.replay_rows)
-        policies = {}
-        for name, (p, latency) in families.items():
-            costs = _tree_costs(self.costs, self.replay, latency)
-            rule, without = self.rules[name], self.tuned[name].result.speedup
+        gated, without = {}, {}
+        for name in families:
             gate = self.gates[name].gate if name in self.gates else None
-            off = None if gate is None else ~gate.drafting(self.gate_features)  # the chain
-            # alone (as the runtime's gated rounds)
-            if off is not None:
-                without = self.gates[name].result.speedup
-            learned, certain = (self.replay.dynamic(p, rule, costs, off, val,
-                                                    val.survival(m)).speedup
-                                for m in (model, None))
-            policies[name] = {"simulated_speedup": learned, "with_vs_without": learned / without,
-                              "certain_chain_speedup": certain,
-                              "learned_vs_certain": learned / certain}
+            gated[name] = None if gate is None else ~gate.drafting(self.gate_features)  # the
+            # chain alone (as the runtime's gated rounds)
+            without[name] = (self.tuned[name] if gate is None else self.gates[name]).result.speedup
+        policies = chain_policies(self.replay, val, model, self.rules, families, self.costs,
+                                  without, gated)
         metrics = {"model": None if model is None else model.as_dict(), **fitted,
                    "chains": int(len(np.unique(val.round_index))), "rounds": self.replay.rounds,
                    "first_token_drafted": float((val.match[val.position == 1] >= 0).mean())
@@ -176,6 +169,8 @@ class SamplingComparison(Ranking):
     families: tuple[str, ...]
     ceiling: Tuned  # the sampling rule with each node's exact acceptance as its p: a perfect
     # predictor's (not decodable: it reads the target's distributions), what no model beats
+    lookup: dict = field(default_factory=dict)  # `replay.sampling.lookup`: each rule with the
+    # logged lookup chains beside it
 
     def metrics(self) -> dict:
         """metrics/train.json's `replay.sampling`."""
@@ -190,6 +185,8 @@ class SamplingComparison(Ranking):
         if self.winner is not None:
             out["winner"] = {**self.winner_entry(),
                              "vs_ar": self.tuned[self.winner].result.speedup}
+        if self.lookup:
+            out["lookup"] = self.lookup
         return out
 
 
@@ -200,12 +197,17 @@ def fastest(tuned: dict[str, Tuned], names) -> str:
 
 def compare_sampling(train: pd.DataFrame, val: pd.DataFrame, costs: CostModel,
                      q_token: np.ndarray, families: dict[str, tuple[np.ndarray, float]],
-                     temperature: float) -> SamplingComparison:
+                     temperature: float, chains: pd.DataFrame | None = None,
+                     model: LookupModel | None = None) -> SamplingComparison:
     """Every tree policy on the sampled val rows (`compare`'s arguments, rows of one
     temperature); the sampling rule's rank table is fitted on the sampled train rows; the
-    ceiling: the rule tuned with the rows' exact `accept_prob` as p."""
+    ceiling: the rule tuned with the rows' exact `accept_prob` as p.  With the logged lookup
+    `chains` (those of these rounds: collect verified them beside the superset), every rule is
+    also replayed with the chain beside it, its survivals from the lookup's `model` (fitted on
+    the greedy train chains) and certain."""
     shape = branching(costs)
-    replay = TreeReplay.from_rows(val, shape)
+    logged = None if chains is None else LookupChains.from_rows(chains, val)
+    replay = TreeReplay.from_rows(val, shape, logged)
     table = TreeReplay.from_rows(train, shape).rank_acceptance()
     base = _tree_costs(costs, replay, 0.0)
     tuned, rules = dict(best_static(replay, base)), {}
@@ -216,7 +218,34 @@ def compare_sampling(train: pd.DataFrame, val: pd.DataFrame, costs: CostModel,
         rules[name] = rule.exact_under(greedy=False)  # verifies every node it drafts
     ceiling, _ = tune_sampling("ceiling", replay, val["accept_prob"].to_numpy(np.float64), base,
                                table, start)
-    return SamplingComparison(temperature, tuned, rules, tuple(families), ceiling)
+    lookup = {}
+    if logged is not None and len(logged):
+        every = {CONFIDENCE_TREE: (q_token, 0.0), **families}
+        policies = chain_policies(replay, logged, model, rules, every, costs,
+                                  {name: tuned[name].result.speedup for name in every}, {})
+        lookup = {"chains": int(len(np.unique(logged.round_index))), "rounds": replay.rounds,
+                  "policies": policies}
+        if families:
+            winner = fastest(tuned, tuple(families))
+            lookup["winner"] = {"family": winner, **policies[winner]}
+    return SamplingComparison(temperature, tuned, rules, tuple(families), ceiling, lookup)
+
+
+def chain_policies(replay: TreeReplay, chains: LookupChains, model: LookupModel | None,
+                   rules: dict[str, TreeRule], families: dict[str, tuple[np.ndarray, float]],
+                   costs: CostModel, without: dict[str, float],
+                   gated: dict[str, np.ndarray | None]) -> dict[str, dict]:
+    """Each dynamic tree of `families` (its p and decision latency) replayed by its rule with
+    the logged `chains` beside it, behind its round gate where `gated` names one, the chain's
+    survivals from the lookup's `model` and certain, against its speed `without` them."""
+    policies = {}
+    for name, (p, latency) in families.items():
+        tree_costs = _tree_costs(costs, replay, latency)
+        learned, certain = (replay.dynamic(p, rules[name], tree_costs, gated.get(name), chains,
+                                           chains.survival(m)).speedup for m in (model, None))
+        policies[name] = {"simulated_speedup": learned, "with_vs_without": learned / without[name],
+                          "certain_chain_speedup": certain, "learned_vs_certain": learned / certain}
+    return policies
 
 
 def branching(costs: CostModel) -> tuple[int, ...]:

@@ -73,6 +73,9 @@ def lookup_branch(decode: DecodeParams, method: str, policy: StoppingPolicy) -> 
     """Whether a decode adds the lookup branch: as `decode.lookup_branch` says, or where it is
     `auto`, in `tree` decodes whose stop model's file measured it faster in this sampling."""
     if decode.lookup_branch != "auto":
+        if decode.lookup_branch and method != "tree":  # a static tree's is collect's alone
+            raise SpecstopError(f"a lookup branch (lookup_branch) joins method 'tree' only, "
+                                f"not '{method}'")
         return decode.lookup_branch
     return method == "tree" and exported_lookup_branch(policy, decode.temperature == 0.0)
 

@@ -1,4 +1,4 @@
-"""The logged lookup chains (`collection.rows.LOOKUP_SCHEMA`) of the replayed greedy rounds.
+"""The logged lookup chains (`collection.rows.LOOKUP_SCHEMA`) of the replayed rounds.
 
 Greedy `tree` rounds with a lookup branch add the chain to the drafted tree: where its first
 tokens retrace drafted nodes it follows them (`match`: the replayed row each chain row is, while
@@ -9,7 +9,9 @@ chain below every token of the text, it is walked along each text exactly (`look
 its rounds start where its own accepted chains end, not where the logged rounds did (a round
 that copies ten tokens is one round, not one per logged round inside them).  A chain
 row is accepted iff it and the rows before it are the text's (label 1): whatever else the round
-verifies, so the replay scores any prefix exactly, as it does the drafted rows.
+verifies, so the replay scores any prefix exactly, as it does the drafted rows.  A sampled
+round's chain was verified beside its drafted tree and each row carries its exact acceptances
+(`accept_after`), with which `replay.tree_replay` scores it beside any sub-tree.
 """
 
 from __future__ import annotations
@@ -35,11 +37,16 @@ class LookupChains:
     accepted: np.ndarray  # [m] bool, label 1
     match: np.ndarray  # [m] the replay's row with this row's token and parent (the row
     # matched before it, the root for the first), while the chain retraces the superset; -1 after
+    accept_after: np.ndarray  # [m, K + 1] sampled rows: P(accepted at the parent | it was and
+    # its first k drafted children were rejected), nan past the parent's children; [m, 0] greedy
 
     @classmethod
     def from_rows(cls, chains: pd.DataFrame, rows: pd.DataFrame) -> "LookupChains":
         """The `chains` of the replayed `rows` (ROUND_KEYS, node, parent, depth and token of
-        every row, in the replay's order), rows of every other round dropped."""
+        every row, in the replay's order; its temperature where it has one), rows of every other
+        round or temperature dropped."""
+        if "temperature" in rows and len(rows):
+            chains = chains[chains["temperature"] == rows["temperature"].iloc[0]]
         round_index = rows.groupby(ROUND_KEYS, sort=False, observed=True).ngroup().to_numpy()
         keys = rows[ROUND_KEYS].astype({"prompt_id": str}).assign(replay_round=round_index)
         joined = chains.astype({"prompt_id": str}).merge(keys.drop_duplicates(), on=ROUND_KEYS,
@@ -61,9 +68,14 @@ class LookupChains:
             found = wanted[up >= 0 if j > 1 else np.ones(len(at), bool)].merge(
                 drafted, on=["replay_round", "up", "token"], how="inner")
             match[found["at"].to_numpy()] = found["row"].to_numpy()
+        after = joined["accept_after"].tolist() if "accept_after" in joined else []
+        width = max((len(a) for a in after), default=0)
+        accept_after = np.full((len(joined), width), np.nan)
+        for i, values in enumerate(after):
+            accept_after[i, : len(values)] = values
         return cls(joined["replay_round"].to_numpy(np.int64), position,
                    joined[list(LOOKUP_FEATURES)].to_numpy(np.float64),
-                   joined["label"].to_numpy() == 1, match)
+                   joined["label"].to_numpy() == 1, match, accept_after)
 
     def __len__(self) -> int:
         return len(self.round_index)

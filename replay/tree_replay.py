@@ -27,10 +27,14 @@ the draft's k' draws are its k draws).  Policies:
   rho by Dinkelbach's iteration; on sampled rounds every drafted node is verified, and the
   sampling rule (a child count per node from s * r[d][j], r fitted on sampled train rows) is
   tuned by `tune_sampling`;
-- with a lookup branch (greedy): the logged lookup chains (`replay.lookup_chains`) join each
-  round's candidates with their survivals (following the drafted rows it retraces, then below
-  them), and the verify set keeps what pays, as `dynamic.propose_tree` does; a round gated off
-  verifies the prefix of its chain that pays alone (`dynamic.propose_chain`);
+- with a lookup branch: the logged lookup chains (`replay.lookup_chains`) join each round's
+  candidates with their survivals (following the drafted rows it retraces, then below them);
+  greedy, the verify set keeps what pays, as `dynamic.propose_tree` does; sampled, every
+  drafted node is verified and the prefix of the rest of the chain that pays beside them, its
+  first token tested after the k drafted children its parent keeps (its `accept_after[k]`),
+  the others alone (`accept_after[0]`); a round gated off verifies the prefix of its chain that
+  pays alone (`dynamic.propose_chain`).  Collect verified each sampled round's whole chain
+  beside its superset, so the logged yield holds the chain's expected tokens;
 - oracle: drafts and verifies exactly the accepted path, or nothing, knowing it in advance;
 - `ar`: every round gated off (`gated`: the root alone, one one-token pass), speedup exactly 1;
   a round gate (`models.round_gate`) gates some rounds off before a dynamic tree drafts.
@@ -123,11 +127,16 @@ class TreeReplay:
     tested: np.ndarray  # [n] P(node tested | any policy verifying it, its ancestors and its
     # earlier siblings): greedy, labelled; sampled, exact from `accept_prob`
     gain: np.ndarray  # [n] P(node accepted), the same way: a round yields 1 + sum over the kept
-    logged: np.ndarray  # [R] tokens the logged round yielded, the whole superset verified
+    accept: np.ndarray  # [n] P(node accepted | parent accepted, earlier siblings rejected)
+    logged: np.ndarray  # [R] tokens the logged round yielded, the whole superset verified (and,
+    # sampled, its lookup chain)
 
     @classmethod
-    def from_rows(cls, rows: pd.DataFrame, branching: tuple[int, ...]) -> "TreeReplay":
-        """Rows of one temperature; sampled rows are scored by their exact `accept_prob`."""
+    def from_rows(cls, rows: pd.DataFrame, branching: tuple[int, ...],
+                  chains: LookupChains | None = None) -> "TreeReplay":
+        """Rows of one temperature; sampled rows are scored by their exact `accept_prob`, and
+        their logged yield holds the `chains` collect verified beside them (their
+        `LookupChains.from_rows` of these rows)."""
         round_index = rows.groupby(ROUND_KEYS, sort=False, observed=True).ngroup().to_numpy()
         node, parent = rows["node"].to_numpy().astype(np.int64), rows["parent"].to_numpy()
         level = rows["depth"].to_numpy().astype(np.int64)
@@ -138,13 +147,29 @@ class TreeReplay:
         parent_row, label = parent_rows(round_index, node, parent), rows["label"].to_numpy()
         sampled = "temperature" in rows and bool((rows["temperature"] > 0).any())
         if sampled:
-            tested = _tested(rows["accept_prob"].to_numpy(np.float64), level, parent_row, groups)
-            gain = tested * rows["accept_prob"].to_numpy(np.float64)
+            accept = rows["accept_prob"].to_numpy(np.float64)
+            tested = _tested(accept, level, parent_row, groups)
+            gain = tested * accept
         else:
-            tested, gain = (label >= 0).astype(np.float64), (label == 1).astype(np.float64)
+            accept = (label == 1).astype(np.float64)
+            tested, gain = (label >= 0).astype(np.float64), accept
         logged = 1 + np.bincount(round_index, gain, len(cap))
-        return cls(tree, round_index, level, node, parent_row, groups, label == 1, cap, sampled,
-                   tested, gain, logged)
+        replay = cls(tree, round_index, level, node, parent_row, groups, label == 1, cap, sampled,
+                     tested, gain, accept, logged)
+        if not sampled or chains is None:
+            return replay
+        return replace(replay, logged=replay.expected_tokens(np.ones(len(node), bool), chains))
+
+    def expected_tokens(self, kept: np.ndarray, chains: LookupChains | None = None
+                        ) -> np.ndarray:
+        """[R] each round's expected tokens verifying the rows `kept` (closed under parents and
+        earlier siblings) and, sampled with `chains`, the whole rest of each chain beside them
+        (as collect verified it beside the superset)."""
+        tokens = 1 + np.bincount(self.round_index, kept * self.gain, self.rounds)
+        if chains is None:
+            return tokens
+        chained, gain = self._sampled_chain(kept, None, chains, None)
+        return tokens + np.bincount(chains.round_index, chained * gain, self.rounds)
 
     @property
     def rounds(self) -> int:
@@ -158,17 +183,20 @@ class TreeReplay:
 
     def score(self, kept: np.ndarray, fed: np.ndarray, costs: TreeCosts,
               gated: np.ndarray | None = None, chains: LookupChains | None = None,
-              chained: np.ndarray | None = None) -> TreeResult:
+              chained: np.ndarray | None = None, chain_gain: np.ndarray | None = None
+              ) -> TreeResult:
         """Replay: `kept` [n] verified rows, `fed` [R, max_depth] nodes fed per level (0: root),
-        `chained` [m] the verified rows of `chains`; rounds `gated` [R] off draft nothing: the
-        root and their `chained` rows (`ar`'s step without)."""
+        `chained` [m] the verified rows of `chains`, each yielding its `chain_gain` (greedy: its
+        label); rounds `gated` [R] off draft nothing: the root and their `chained` rows (`ar`'s
+        step without)."""
         if gated is not None:
             kept, fed = kept & ~gated[self.round_index], np.where(gated[:, None], 0, fed)
         verified = np.bincount(self.round_index, kept, self.rounds)
         tokens = 1 + np.bincount(self.round_index, kept * self.gain, self.rounds)
         if chains is not None:
+            gain = chains.accepted if chain_gain is None else chain_gain
             verified += np.bincount(chains.round_index, chained, self.rounds)
-            tokens += np.bincount(chains.round_index, chained & chains.accepted, self.rounds)
+            tokens += np.bincount(chains.round_index, chained * gain, self.rounds)
         levels = (fed > 0).sum(axis=1)
         cost = costs.step[fed].sum(axis=1) + costs.verify[1 + verified.astype(np.int64)] \
             + np.where(levels > 0, costs.round.at(levels), 0.0)
@@ -200,13 +228,10 @@ class TreeReplay:
         rounds `gated` [R] off (`decoder.round_gate`) drafting nothing; greedy rounds with a
         lookup branch: `chains` and their rows' survivals (in a gated round the chain alone)."""
         rule = rule.exact_under(not self.sampled)
-        if chains is not None and (self.sampled or not rule.prune):
-            raise ValueError("a lookup branch is replayed on greedy rounds only")
         s = path_product(p, self.level, self.parent_row)  # each row's survival
         if rule.rank_accept:
-            kept, fed = self._counted(s, rule)
-            return self.score(kept, self._fed_widths(fed, np.ones(self.rounds, np.int64)),
-                              costs, gated)
+            kept, fed_rows = self._counted(s, rule)
+            return self._scored(kept, fed_rows, costs, gated, rule, chains, chain_survival)
         candidate = self.level == 1
         fed = np.zeros(len(s), dtype=bool)
         for d in range(1, self.max_depth):
@@ -215,13 +240,73 @@ class TreeReplay:
             fed |= ok & (_rank_within(self.round_index, s, ok) < rule.max_width)
             below = (self.level == d + 1) & (self.parent_row >= 0)
             candidate[below] = fed[self.parent_row[below]]
-        kept, chained = self._verify(s, candidate, rule, chains, chain_survival) \
-            if rule.prune else (candidate, None)
+        if not rule.prune:
+            return self._scored(candidate, fed, costs, gated, rule, chains, chain_survival)
+        kept, chained = self._verify(s, candidate, rule, chains, chain_survival)
         if chains is not None and gated is not None:  # the chain alone
             _, alone = self._verify(s, np.zeros_like(candidate), rule, chains, chain_survival)
             chained = np.where(gated[chains.round_index], alone, chained)
         return self.score(kept, self._fed_widths(fed, np.ones(self.rounds, dtype=np.int64)),
                           costs, gated, chains, chained)
+
+    def _scored(self, kept: np.ndarray, fed_rows: np.ndarray, costs: TreeCosts,
+                gated: np.ndarray | None, rule: TreeRule, chains: LookupChains | None,
+                chain_survival: np.ndarray | None) -> TreeResult:
+        """A sampled round's score: the drafted rows `kept` (every one verified), and with
+        `chains` the prefix of each chain that pays beside them (`_sampled_chain`)."""
+        fed = self._fed_widths(fed_rows, np.ones(self.rounds, dtype=np.int64))
+        if chains is None:
+            return self.score(kept, fed, costs, gated)
+        if not self.sampled:
+            raise ValueError("a rule that does not prune replays a lookup branch on sampled "
+                             "rounds only")
+        drafted = kept if gated is None else kept & ~gated[self.round_index]
+        chained, gain = self._sampled_chain(drafted, rule, chains, chain_survival)
+        return self.score(kept, fed, costs, gated, chains, chained, gain)
+
+    def _sampled_chain(self, kept: np.ndarray, rule: TreeRule | None, chains: LookupChains,
+                       survival: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Sampled rounds verifying the drafted rows `kept` (closed under parents and earlier
+        siblings): ([m] the chain rows verified, [m] each one's chance of acceptance), as
+        `dynamic.verify_with_chain` chooses them: the chain follows the kept rows it retraces,
+        the rest of it goes below the last of them (A, or the root), tested after A's k kept
+        children, and `rule` keeps the prefix of the rest that maximises the sum of its
+        `survival` - rho * the verify cost it adds (None: all of it, as collect verified it)."""
+        rounds = chains.round_index
+        hit = (chains.match >= 0) & kept[chains.match.clip(0)]
+        retraced = pd.Series(hit).groupby(rounds).cummin().to_numpy(bool)
+        attach = pd.Series(np.where(retraced, chains.match, -1)).groupby(
+            rounds).cummax().to_numpy()  # A's row: deeper retraced rows come later
+        slot = np.where(self.parent_row >= 0, self.parent_row, len(kept) + self.round_index)
+        children = np.bincount(slot[kept], minlength=len(kept) + self.rounds)  # kept, by parent
+        rejected = np.ones(len(kept) + self.rounds)  # P(every kept child rejected | parent)
+        np.multiply.at(rejected, slot[kept], 1.0 - self.accept[kept])
+        at = np.where(attach >= 0, attach, len(kept) + rounds)  # A's slot
+        reached = np.where(attach >= 0, self.gain[attach.clip(0)], 1.0) * rejected[at]
+        first = ~retraced & np.concatenate([[True], retraced[:-1] | (rounds[1:] != rounds[:-1])])
+        width = chains.accept_after.shape[1]
+        k = np.where(first, children[at], 0).clip(max=max(width - 1, 0))
+        accept = np.nan_to_num(chains.accept_after[np.arange(len(rounds)), k]) if width \
+            else np.zeros(len(rounds))
+        rest = pd.Series(np.where(retraced, 1.0, accept))
+        gain = np.where(retraced, 0.0, reached * rest.groupby(rounds).cumprod().to_numpy())
+        if rule is None:
+            return ~retraced, gain
+        n = np.bincount(self.round_index[kept], minlength=self.rounds)[rounds]
+        t = pd.Series(~retraced).groupby(rounds).cumsum().to_numpy()  # chain tokens up to here
+        cost = np.asarray(rule.verify_cost)
+        room = len(cost) - 2 - n  # the chain tokens the rule prices beside the drafted ones
+        value = pd.Series(np.where(retraced, 0.0, survival)).groupby(rounds).cumsum().to_numpy() \
+            - rule.rho * cost[np.minimum(1 + n + t, len(cost) - 1)]
+        value = np.where(~retraced & (t <= room), value, -np.inf)
+        best = np.full(self.rounds, -np.inf)
+        np.maximum.at(best, rounds, value)
+        nothing = -rule.rho * cost[np.minimum(1 + n, len(cost) - 1)]  # no chain token
+        reaching = (value >= best[rounds]) & (best[rounds] > nothing)
+        chosen = np.full(self.rounds, len(cost))
+        np.minimum.at(chosen, rounds[reaching], t[reaching])  # the first, as argmax
+        chosen[chosen == len(cost)] = 0
+        return ~retraced & (t <= chosen[rounds]), gain
 
     def _counted(self, s: np.ndarray, rule: TreeRule) -> tuple[np.ndarray, np.ndarray]:
         """The sampling rule's tree of every round: ([n] rows drafted and verified, [n] rows

@@ -23,6 +23,7 @@ from specstop.drafts.store import DRAFT_META_FILE
 from specstop.decoder.kv import KVModel
 from specstop.decoder.loop import DecodeConfig, generate
 from specstop.decoder.policy import FixedDepth
+from specstop.decoder.sampling import Sampling
 from specstop.common.errors import DataError
 from specstop.collection import data
 from specstop.collection.rows import (LOOKUP, RoundLogger, read_lookup_rows, read_part,
@@ -135,6 +136,10 @@ def test_collect_logs_each_temperature_in_parts_of_its_own(tiny_target, tmp_path
     assert (labelled["accept_prob"] == labelled["label"]).all()
     assert sampled["accept_prob"].between(0, 1).all() and sampled["accept_prob"].nunique() > 2
     assert data.load(out, temperature=1.0).val.rows["temperature"].eq(1.0).all()
+    chains = read_lookup_rows(out)  # sampled ones too, where the text repeats (see below)
+    assert sorted(p.stem for p in (out / "parts" / LOOKUP).glob("*.parquet")) == [
+        "train-00000", "train-00000-T1", "val-00000", "val-00000-T1"]
+    assert (chains[chains["temperature"] == 0]["accept_after"].map(len) == 0).all()
     overhead = json.loads((out / "costs.json").read_text())["round_overhead"]
     assert set(overhead) == {"tree", "static"}
     assert all(set(by_temperature) == {"greedy", "sampled"}
@@ -215,6 +220,40 @@ def test_two_torchrun_processes_equal_one(tiny_target, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted_rows(single / "data" / "collect") == sorted_rows(double / "data" / "collect")
     assert json.loads((double / "metrics" / "collect.json").read_text())["processes"] == 2
+
+
+def test_a_sampled_round_logs_its_chain_with_the_targets_acceptances():
+    """Sampled rounds with the lookup chain beside the static tree (collect's) log each chain
+    token the tree holds with K + 1 acceptances (K: its parent's drafted children); after no
+    drafted sibling, a token's is the target's own probability of it after the text and the
+    chain before it (T 1: min(1, p / 1) for a point mass)."""
+    target = tiny_llama(0)
+    draft = perturbed_copy(target, 0.6, seed=1)
+    prompt = torch.tensor([5, 17, 3, 42, 5, 17, 9, 3, 42, 5])  # repeats: chains to look up
+    config = DecodeConfig(method="mcsd", max_new_tokens=30, max_depth=3, mcsd_branching=(2, 2),
+                          sampling=Sampling(1.0), lookup_branch=True, lookup_tokens=4)
+    logger = RoundLogger()
+    logger.start("p", "val", 1.0)
+    generation = generate(KVModel(target), ModelDrafter(KVModel(draft)), prompt, config,
+                          FixedDepth(3), hook=logger, generator=torch.Generator().manual_seed(0))
+    chains = logger.lookup_table().to_pandas()
+    assert len(chains) >= 3 and (chains["temperature"] == 1.0).all()
+    rows = logger.table().to_pandas()
+    text = torch.cat([prompt, torch.tensor(generation.tokens)])
+    for (round_, emitted), chain in chains.groupby(["round", "emitted"]):
+        assert chain["position"].tolist() == list(range(1, len(chain) + 1)) and len(chain) <= 4
+        drafted = rows[rows["round"] == round_]
+        tokens, at = chain["token"].tolist(), 0  # at: the chain's parent while it retraces
+        for j, (token, after) in enumerate(zip(tokens, chain["accept_after"])):
+            kids = drafted[drafted["parent"] == at] if at is not None else drafted.iloc[:0]
+            assert len(after) == len(kids) + 1
+            path = torch.cat([text[: len(prompt) + emitted],
+                              torch.tensor(tokens[:j], dtype=torch.long)])
+            with torch.no_grad():
+                p = torch.softmax(target(path[None]).logits[0, -1].double(), -1)
+            assert after[0] == pytest.approx(float(p[token]), rel=1e-4, abs=1e-7)
+            same = kids[kids["token"] == token]
+            at = int(same["node"].iloc[-1]) if len(same) else None
 
 
 @pytest.mark.parametrize("config", [DecodeConfig(method="sd", max_new_tokens=30, max_depth=4),

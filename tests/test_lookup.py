@@ -6,6 +6,7 @@ test_integration.py)."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from specstop.decoder.drafter import ModelDrafter
 from specstop.decoder.kv import KVModel
 from specstop.decoder.dynamic import propose_tree
 from specstop.decoder.lookup import (LOOKUP_FEATURES, RECENT_WEIGHT, Lookup, LookupBranch,
-                                     LookupModel, with_lookup_branch)
+                                     LookupModel, retrace, with_chain, with_lookup_branch)
 from specstop.decoder.loop import DecodeConfig, DecodeStats, generate
 from specstop.decoder.policy import ConfidenceTree, FixedDepth
 from specstop.decoder.sampling import Sampling
@@ -179,10 +180,27 @@ def test_a_lookup_branch_below_a_drafted_node_goes_after_its_drafted_children() 
     assert proposal.fed.tolist() == [0, 1, 2, -1, -1, -1, -1]
 
 
-def test_a_lookup_branch_is_for_tree_rounds_only() -> None:
+def test_a_static_trees_chain_follows_the_nodes_it_retraces_and_keeps_their_features() -> None:
+    """`with_chain`: [11, 21, 22] retraces 11, then goes below it after its drafted child; the
+    drafted nodes keep their order and features; a chain the tree holds whole adds nothing."""
+    tree, proposal = drafted_tree()
+    proposal = replace(proposal, features=(torch.zeros(2, 3), torch.ones(2, 3)))
+    merged, with_branch = with_chain(tree, proposal, [11, 21, 22])
+    assert merged.parent.tolist() == [-1, 0, 0, 1, 1, 2, 4]
+    assert with_branch.tokens.tolist() == [10, 11, 12, 13, 21, 14, 22]
+    assert with_branch.point.tolist() == [False] * 4 + [True, False, True]
+    assert with_branch.features == proposal.features
+    assert retrace(merged.parent.tolist(), with_branch.tokens.tolist(), [11, 21, 22]) == [1, 4, 6]
+    same_tree, same = with_chain(tree, proposal, [12, 14])
+    assert same_tree is tree and same is proposal
+
+
+def test_a_lookup_branch_joins_a_drafted_tree_only() -> None:
     DecodeConfig(method="tree", lookup_branch=True, sampling=Sampling(1.0))  # greedy or not
-    with pytest.raises(ValueError, match="joins method 'tree' only"):
-        DecodeConfig(method="sd", lookup_branch=True)
+    DecodeConfig(method="mcsd", lookup_branch=True, lookup_tokens=10)  # collect's sampled rounds
+    for method, lossy in (("lookup", False), ("ar", False), ("ti-mcsd", True)):
+        with pytest.raises(ValueError, match="joins a drafted tree"):
+            DecodeConfig(method=method, lookup_branch=True, lossy=lossy)
 
 
 class FixedDraft:

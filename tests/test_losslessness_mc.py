@@ -268,6 +268,7 @@ METHODS = {
     "lookup": replace(BASE, method="lookup"),  # its draft table goes unused
     "tree-lookup": replace(BASE, method="tree", max_depth=3, lookup_branch=True),
     "tree-lookup-counts": replace(BASE, method="tree", max_depth=3, lookup_branch=True),
+    "mcsd-lookup": replace(BASE, method="mcsd", lookup_branch=True, lookup_tokens=3),
 }
 # Expands some nodes but not all (the draft's path confidence above 0.3, two per level at most);
 # its pruning (verify a node while its survival beats 0.5 x 0.5 target steps) is for greedy
@@ -283,12 +284,13 @@ SAMPLING_RULE = replace(TREE_RULE, expand=0.2, max_width=3,
 # drawn siblings), its prefix that pays kept (a certain chain: all that the room allows).  The
 # exact enumeration (test_verify_exact.py) holds its negative control: on these tables, after
 # two or three drawn siblings, a chain node tested as if drawn is biased too little to see.
+# `mcsd-lookup` is collect's sampled round: the static tree with the whole chain beside it.
 POLICIES = {"tree": ConfidenceTree(TREE_RULE), "tree-counts": ConfidenceTree(SAMPLING_RULE),
             "tree-lookup": ConfidenceTree(TREE_RULE),
             "tree-lookup-counts": ConfidenceTree(SAMPLING_RULE)}
 MAIN = [(method, 1.0, 1.0) for method in ("sd", "mcsd-wor", "ti-mcsd", "lookup")]
 SWEEP = ([("mcsd-wr", 1.0, 1.0), ("tree", 1.0, 1.0), ("tree-counts", 1.0, 1.0),
-          ("tree-lookup", 1.0, 1.0), ("tree-lookup-counts", 1.0, 1.0)]
+          ("tree-lookup", 1.0, 1.0), ("tree-lookup-counts", 1.0, 1.0), ("mcsd-lookup", 1.0, 1.0)]
          + [(method, 0.3, 0.9) for method in METHODS]
          + [("sd", 0.3, 1.0), ("ti-mcsd", 0.3, 1.0), ("mcsd-wor", 1.0, 0.9), ("mcsd-wr", 1.0, 0.9)])
 

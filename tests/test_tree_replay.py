@@ -8,10 +8,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import torch
+
+from specstop.decoder.contracts import Proposal
 from specstop.decoder.costs import RoundWork
-from specstop.decoder.lookup import LOOKUP_FEATURES, LookupModel
+from specstop.decoder.dynamic import verify_with_chain
+from specstop.decoder.lookup import LOOKUP_FEATURES, LookupBranch, LookupModel, with_chain
+from specstop.decoder.sampling import Sampling
 from specstop.decoder.tree import Tree
 from specstop.decoder.tree_rule import TreeRule, children, feed, verify_set
+from specstop.decoder.verify import acceptance, chain_acceptance, sampled_walk
 from specstop.replay.lookup_chains import LookupChains
 from specstop.replay.tree_replay import (TreeCosts, TreeReplay, best_static, sequoia, shape_nodes,
                                          tune_dynamic)
@@ -438,10 +444,196 @@ def test_lookup_chain_replay_matches_the_runtime_rule_round_by_round(expand, rho
     assert certain.verified >= result.verified
 
 
-def test_a_lookup_branch_is_replayed_on_greedy_rounds_only():
-    rows = sampled_rows(5, seed=0)
+def sampled_chain_rows(rows: pd.DataFrame, seed: int) -> pd.DataFrame:
+    """Sampled rounds' chains as collect logs them (LookupChains' columns): 1-5 tokens in most
+    rounds, in half of them the first ones retracing drafted nodes; each row's `accept_after`
+    holds K + 1 chances, K the drafted children of its parent (0 below a token of its own)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for (prompt_id, round_), rnd in rows.groupby(["prompt_id", "round"], sort=False):
+        if rng.uniform() < 0.2:
+            continue
+        children = rnd.groupby("parent")["node"].apply(list).to_dict()
+        at, retracing = 0, rng.uniform() < 0.5
+        for j in range(1, int(rng.integers(1, 6)) + 1):
+            k = len(children.get(at, [])) if at is not None else 0
+            after = np.sort(rng.uniform(0, 1, k + 1))[::-1].tolist()
+            if retracing and children.get(at) and rng.uniform() < 0.8:
+                at = int(rng.choice(children[at]))
+                token = 1000 + at
+            else:
+                retracing, at, token = False, None, 5000 + j
+            out.append({"prompt_id": prompt_id, "round": round_, "split": "val",
+                        "temperature": 0.7, "token": token, "label": -1, "position": float(j),
+                        "ngram": float(rng.integers(1, 3)), "log_gap": float(rng.uniform(0, 5)),
+                        "recent": float(rng.uniform()), "accept_after": after})
+    return pd.DataFrame(out)
+
+
+@pytest.mark.parametrize("expand,width,bias", [(0.0, 8, 0.0), (0.1, 3, 1.0), (0.25, 2, -1.5)])
+def test_sampled_lookup_chain_replay_matches_the_runtime_rule_round_by_round(expand, width,
+                                                                             bias):
+    """Sampled rounds with a lookup branch: the sampling rule's tree one round at a time
+    (`children`), the chain following its kept nodes and then below the last, the prefix of the
+    rest `dynamic.verify_with_chain` keeps, scored by the chain's acceptances after the k kept
+    children of its parent; the logged yield holds the whole chain as collect verified it."""
+    rows = sampled_rows(30, seed=7)
+    chains = sampled_chain_rows(rows, seed=8)
+    logged = LookupChains.from_rows(chains, rows)
+    replay = TreeReplay.from_rows(rows, BRANCHING, logged)
+    rule = COSTS.rule(BRANCHING, expand, 1.2, width, replay.rank_acceptance())
+    model = LookupModel((-0.3, 0.2, -0.1, 1.0), bias)
+    result = replay.dynamic(rows["p"].to_numpy(), rule, COSTS, None, logged,
+                            logged.survival(model))
+    tree, rounds = Tree(1, BRANCHING), Rounds()
+    for key, rnd in rows.groupby(["prompt_id", "round"], sort=False):
+        p = {int(n): x for n, x in zip(rnd["node"], rnd["p"])}
+        accept = {int(n): a for n, a in zip(rnd["node"], rnd["accept_prob"])}
+        cap, s = int(rnd["depth"].max()), {0: 1.0}
+        level, kept, widths = [0], set(), []
+        for d in range(cap):
+            counts = children(np.array([s[c] for c in level]), d, rule, nodes=1 + len(kept))
+            fed = [c for c, k in zip(level, counts) if k > 0]
+            if not fed:
+                break
+            widths.append(len(fed))
+            level = [k for c, n in zip(level, counts) for k in tree.children(c)[:n]]
+            kept |= set(level)
+            for k in level:
+                s[k] = s[int(tree.parent[k])] * p[k]
+        chain = chains[(chains["prompt_id"] == key[0]) & (chains["round"] == key[1])]
+        gain, verified = chain_gain(chain, kept, set(accept), accept, tree, rule, model)
+        everything, _ = chain_gain(chain, set(accept), set(accept), accept, tree, None, None)
+        drafted = sum(accepted_probability(c, accept, tree) for c in kept)
+        rounds.add(1 + drafted + gain,
+                   sum(COSTS.step[w] for w in widths) + COSTS.verify[1 + len(kept) + verified],
+                   1 + sum(accepted_probability(c, accept, tree) for c in accept) + everything)
+    assert result.speedup == pytest.approx(rounds.speed(), rel=1e-12)
+    assert result.tokens_per_round == pytest.approx(rounds.tokens_per_round(), rel=1e-12)
+    without = replay.dynamic(rows["p"].to_numpy(), rule, COSTS)
+    assert result.verified > without.verified  # some chain tokens are kept
+
+
+def chain_gain(chain: pd.DataFrame, kept: set[int], logged: set[int], accept: dict[int, float],
+               tree: Tree, rule: TreeRule | None, model: LookupModel | None
+               ) -> tuple[float, int]:
+    """(expected accepted chain tokens, chain tokens verified) of one sampled round verifying
+    the drafted nodes `kept` of the `logged` ones: the chain follows kept nodes by token, the
+    rest goes below the last (A), its prefix chosen by `dynamic.verify_with_chain` (`rule`
+    None: all of it), its first token accepted with `accept_after[k]` (k: A's kept children)
+    once A was and they were not, the next ones with `accept_after[0]`."""
+    if not len(chain):
+        return 0.0, 0
+    tokens = chain["token"].tolist()
+    at, m = 0, 0
+    for token in tokens:
+        node = token - 1000
+        if node not in kept or int(tree.parent[node]) != at:
+            break
+        at, m = node, m + 1
+    survival = np.ones(len(tokens)) if model is None else np.cumprod(
+        model.probabilities(chain[list(LOOKUP_FEATURES)].to_numpy(np.float64)))
+    if rule is None:
+        c = len(tokens) - m
+    else:
+        _, rest, _ = verify_with_chain(np.zeros(len(kept)), np.full(len(kept), -1),
+                                       np.full(len(kept), -1), LookupBranch(tokens, survival),
+                                       rule.exact_under(greedy=False), list(range(m)))
+        c = len(rest)
+    kids = [b for b in tree.children(at) if b in kept]
+    reach = (accepted_probability(at, accept, tree) if at else 1.0) \
+        * np.prod([1 - accept[b] for b in kids])
+    after = chain["accept_after"].tolist()
+    gain, path = 0.0, reach
+    for j in range(m, m + c):
+        path *= after[j][len(kids)] if j == m else after[j][0]
+        gain += path
+    return gain, c
+
+
+def test_expected_tokens_with_a_chain_are_the_verifiers_monte_carlo():
+    """One sampled round of a static tree with its lookup chain (`lookup.with_chain`), scored
+    from what collect logs of the whole tree (`verify.acceptance`, `chain_acceptance`), equals
+    the mean accepted tokens of the exact verifier (`sampled_walk`) on sub-trees of it with the
+    chain beside them: the chain retraced further or less, tested after fewer siblings."""
+    vocab, branching = 9, (3, 2)
+    gen = torch.Generator().manual_seed(0)
+    full = Tree(1, branching)
+    n = full.size(full.max_depth)
+    q = torch.distributions.Dirichlet(torch.ones(vocab)).sample((full.size(1),))
+    tokens = [0]
+    for node in range(1, n):  # each node's children: distinct draws from its parent's q
+        up = int(full.parent[node])
+        taken = [tokens[c] for c in full.children(up) if c < node]
+        weights = q[up].clone()
+        weights[taken] = 0.0
+        tokens.append(int(torch.multinomial(weights, 1, generator=gen)))
+    proposal = Proposal(tokens=torch.tensor(tokens), depth=full.max_depth, root_position=0,
+                        q=q, features=(), fed=torch.arange(n), steps=2, drafted=n - 1)
+    below = [t for t in range(vocab) if t not in {tokens[c] for c in full.children(1)}]
+    chain = [tokens[1], below[0], 4, 6]  # retraces node 1, then three tokens of its own
+    merged, with_branch = with_chain(full, proposal, chain)
+    paths = token_paths(merged, with_branch.tokens.tolist())
+    p = {path: d for path, d in zip(paths, torch.distributions.Dirichlet(
+        torch.ones(vocab)).sample((len(paths),)).double())}
+    p_full = torch.stack([p[path] for path in paths])
+    sampling = Sampling(1.0)
+    accept = acceptance(merged, merged.max_depth, with_branch.tokens, p_full, with_branch.q,
+                        sampling, True, with_branch.point)
+    after = chain_acceptance(merged, with_branch.tokens, p_full, with_branch.q,
+                             with_branch.point, chain, True)
+    drafted = ~with_branch.point
+    own = (torch.cumsum(drafted, 0) - 1)[drafted][1:]  # the drafted nodes' indices in `full`
+    rows = pd.DataFrame({"prompt_id": "p", "temperature": 1.0, "round": 0,
+                         "node": own.numpy(), "parent": (torch.cumsum(drafted, 0) - 1)[
+                             merged.parent[drafted][1:]].numpy(),
+                         "depth": merged.depth[drafted][1:].numpy(), "label": -1,
+                         "token": with_branch.tokens[drafted][1:].numpy(),
+                         "accept_prob": accept[drafted][1:].numpy()})
+    logged = LookupChains.from_rows(pd.DataFrame(
+        {"prompt_id": "p", "temperature": 1.0, "round": 0, "split": "val", "token": chain,
+         "label": -1, "position": np.arange(1.0, 5.0), "ngram": 1.0, "log_gap": 0.0,
+         "recent": 0.0, "accept_after": [a.tolist() for a in after]}), rows)
+    replay = TreeReplay.from_rows(rows, branching, logged)
+    for widths in [(3, 2), (2, 1), (1, 0)]:  # children kept at the root and below them: the
+        # chain's own first token tested after 2, 1 and 0 siblings
+        nodes = []
+        for i in range(1, n):
+            up = int(full.parent[i])
+            if (up == 0 or up in nodes) and int(full.rank[i]) < widths[int(full.depth[i]) - 1]:
+                nodes.append(i)
+        kept = np.isin(rows["node"].to_numpy(), nodes)
+        exact = replay.expected_tokens(kept, logged)[0]
+        sub = Tree.from_parents(np.array([-1] + [nodes.index(int(full.parent[i])) + 1
+                                                 if int(full.parent[i]) else 0 for i in nodes]))
+        index = torch.tensor([0, *nodes])
+        cut = Proposal(tokens=proposal.tokens[index], depth=sub.max_depth, root_position=0,
+                       q=q[index[: sub.size(sub.max_depth - 1)]], features=(),
+                       fed=torch.arange(len(index)), steps=sub.max_depth, drafted=len(nodes))
+        tree, walked = with_chain(sub, cut, chain)
+        p_sub = torch.stack([p[path] for path in token_paths(tree, walked.tokens.tolist())])
+        u = torch.rand(4_000, tree.size(tree.max_depth), generator=gen, dtype=torch.float64)
+        walks = np.array([len(sampled_walk(tree, tree.max_depth, walked.tokens, p_sub, walked.q,
+                                           True, None, draws, walked.point)[0].path)
+                          for draws in u])
+        assert walks.mean() == pytest.approx(exact, abs=4.5 * walks.std() / np.sqrt(len(u))), \
+            widths
+
+
+def token_paths(tree: Tree, tokens: list[int]) -> list[tuple[int, ...]]:
+    """Each node's tokens from the root down: what the target's distribution there reads."""
+    paths = []
+    for node, token in enumerate(tokens):
+        up = int(tree.parent[node])
+        paths.append((*paths[up], token) if up >= 0 else (token,))
+    return paths
+
+
+def test_a_rule_that_does_not_prune_replays_a_lookup_branch_on_sampled_rounds_only():
+    rows = superset_rows(5, seed=0)
     replay = TreeReplay.from_rows(rows, BRANCHING)
-    logged = LookupChains.from_rows(chain_rows(superset_rows(5, seed=0), seed=0), rows)
-    with pytest.raises(ValueError, match="greedy rounds only"):
-        replay.dynamic(rows["accept_prob"].to_numpy(), COSTS.rule(BRANCHING, 0.0, 1.0, 2),
-                       COSTS, chains=logged, chain_survival=logged.survival(None))
+    logged = LookupChains.from_rows(chain_rows(rows, seed=0), rows)
+    rule = COSTS.rule(BRANCHING, 0.0, 1.0, 2, replay.rank_acceptance())
+    with pytest.raises(ValueError, match="sampled rounds only"):
+        replay.dynamic(rows["p"].to_numpy(), rule, COSTS, chains=logged,
+                       chain_survival=logged.survival(None))
