@@ -317,6 +317,23 @@ def test_sampled_expected_tokens_by_hand():
     assert result.tokens_per_round == pytest.approx(1 + 0.5 + 0.2 + 0.15 + 0.21, abs=1e-12)
 
 
+def sampling_rule_round(rnd: pd.DataFrame, rule: TreeRule, tree: Tree) -> tuple[set[int], list[int]]:
+    """The sampling rule's tree of one logged round, built level by level by `children` (the
+    runtime's rule): (the nodes drafted and verified, the width fed at each level)."""
+    p = {int(n): x for n, x in zip(rnd["node"], rnd["p"])}
+    s, level, kept, widths = {0: 1.0}, [0], set(), []
+    for d in range(int(rnd["depth"].max())):
+        counts = children(np.array([s[c] for c in level]), d, rule, nodes=1 + len(kept))
+        if not any(k > 0 for k in counts):
+            break
+        widths.append(sum(k > 0 for k in counts))
+        level = [k for c, n in zip(level, counts) for k in tree.children(c)[:n]]
+        kept |= set(level)
+        for k in level:
+            s[k] = s[int(tree.parent[k])] * p[k]
+    return kept, widths
+
+
 @pytest.mark.parametrize("expand,width", [(0.0, 8), (0.1, 3), (0.25, 2)])
 def test_sampling_rule_replay_is_the_runtime_rule_and_its_monte_carlo(expand, width):
     """The replay's sampling rule equals `children` applied one round at a time, and its exact
@@ -329,20 +346,8 @@ def test_sampling_rule_replay_is_the_runtime_rule_and_its_monte_carlo(expand, wi
     tree, rng = Tree(1, BRANCHING), np.random.default_rng(0)
     rounds, mc = Rounds(), 0.0
     for _, rnd in rows.groupby(["prompt_id", "round"], sort=False):
-        p = {int(n): x for n, x in zip(rnd["node"], rnd["p"])}
         accept = {int(n): a for n, a in zip(rnd["node"], rnd["accept_prob"])}
-        cap, s = int(rnd["depth"].max()), {0: 1.0}
-        level, kept, widths = [0], set(), []
-        for d in range(cap):
-            counts = children(np.array([s[c] for c in level]), d, rule, nodes=1 + len(kept))
-            fed = [c for c, k in zip(level, counts) if k > 0]
-            if not fed:
-                break
-            widths.append(len(fed))
-            level = [k for c, n in zip(level, counts) for k in tree.children(c)[:n]]
-            kept |= set(level)
-            for k in level:
-                s[k] = s[int(tree.parent[k])] * p[k]
+        kept, widths = sampling_rule_round(rnd, rule, tree)
         exact = sum(accepted_probability(c, accept, tree) for c in kept)
         rounds.add(1 + exact, sum(COSTS.step[w] for w in widths) + COSTS.verify[1 + len(kept)],
                    1 + sum(accepted_probability(c, accept, tree) for c in accept))
@@ -487,20 +492,8 @@ def test_sampled_lookup_chain_replay_matches_the_runtime_rule_round_by_round(exp
                             logged.survival(model))
     tree, rounds = Tree(1, BRANCHING), Rounds()
     for key, rnd in rows.groupby(["prompt_id", "round"], sort=False):
-        p = {int(n): x for n, x in zip(rnd["node"], rnd["p"])}
         accept = {int(n): a for n, a in zip(rnd["node"], rnd["accept_prob"])}
-        cap, s = int(rnd["depth"].max()), {0: 1.0}
-        level, kept, widths = [0], set(), []
-        for d in range(cap):
-            counts = children(np.array([s[c] for c in level]), d, rule, nodes=1 + len(kept))
-            fed = [c for c, k in zip(level, counts) if k > 0]
-            if not fed:
-                break
-            widths.append(len(fed))
-            level = [k for c, n in zip(level, counts) for k in tree.children(c)[:n]]
-            kept |= set(level)
-            for k in level:
-                s[k] = s[int(tree.parent[k])] * p[k]
+        kept, widths = sampling_rule_round(rnd, rule, tree)
         chain = chains[(chains["prompt_id"] == key[0]) & (chains["round"] == key[1])]
         gain, verified = chain_gain(chain, kept, set(accept), accept, tree, rule, model)
         everything, _ = chain_gain(chain, set(accept), set(accept), accept, tree, None, None)
